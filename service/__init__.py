@@ -1,0 +1,19 @@
+"""A Flask + gunicorn service that serves PyTorch models, naive and batched."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flask import Flask
+
+    from service.settings import Settings
+
+__all__ = ["create_app"]
+
+
+def create_app(settings: Settings | None = None) -> Flask:
+    # Imported here so that ``import service`` stays cheap and starts nothing.
+    from service.app import create_app as build
+
+    return build(settings)

@@ -1,0 +1,62 @@
+"""The application factory. Builds everything per worker process; nothing at import."""
+
+from __future__ import annotations
+
+import logging
+
+from flask import Flask, Response
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+
+from service.errors import Overloaded, ServeError, Unauthorized
+from service.routes import bp, json_response
+from service.runtime import ModelRuntime
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings | None = None) -> Flask:
+    """A Flask app serving ``settings.model`` (read from ``SERVE_*`` when None).
+
+    Starts loading the model in the background: call it in the process that
+    serves (a gunicorn worker), never before a fork.
+    """
+    settings = settings if settings is not None else Settings.from_env()
+    app = Flask("service")
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.register_blueprint(bp)
+    _register_error_handlers(app, settings)
+    runtime = ModelRuntime(settings)
+    runtime.init_app(app)
+    runtime.start()
+    return app
+
+
+def _register_error_handlers(app: Flask, settings: Settings) -> None:
+    @app.errorhandler(ServeError)
+    def serve_error(exc: ServeError) -> Response:
+        response = json_response({"error": exc.message}, exc.status)
+        if isinstance(exc, Overloaded):
+            response.headers["Retry-After"] = str(exc.retry_after_s)
+        if isinstance(exc, Unauthorized):
+            response.headers["WWW-Authenticate"] = 'Bearer realm="predict"'
+        return response
+
+    @app.errorhandler(RequestEntityTooLarge)
+    def too_large(exc: RequestEntityTooLarge) -> Response:
+        return json_response(
+            {"error": f"the request body is over {settings.max_body_bytes} bytes (SERVE_MAX_BODY_BYTES)"}, 413
+        )
+
+    @app.errorhandler(HTTPException)
+    def http_error(exc: HTTPException) -> Response:
+        response = json_response({"error": exc.description or exc.name}, exc.code or 500)
+        for name, value in exc.get_headers():
+            if name.lower() != "content-type":
+                response.headers[name] = value  # e.g. Allow on a 405
+        return response
+
+    @app.errorhandler(Exception)
+    def unexpected(exc: Exception) -> Response:
+        log.exception("unhandled error")
+        return json_response({"error": "internal server error; see the service log"}, 500)

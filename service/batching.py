@@ -1,0 +1,312 @@
+# design:
+# - One Batcher per worker process, driven by one OS thread (service.native, so
+#   it stays a real thread under gevent). Request threads or greenlets call
+#   submit(), which creates the request's Future *before* it enqueues it, and
+#   then wait on that Future (service.waiting); nothing else links a request to
+#   its result, so a caller that gives up leaves nothing behind.
+# - The batch thread alone takes from the queue: it blocks for the first request,
+#   takes what is already queued, may wait a bounded time for more (GatherPolicy),
+#   and runs the batch. A request that does not fit in the batch is carried over
+#   to head the next one, so arrival order is kept.
+# - Every future it takes gets a result or an exception, whatever the model does;
+#   cancelled futures are skipped, expired ones fail before inference. If a batch
+#   fails, its requests are re-run one by one so only the culprit fails.
+# - Shutdown: stop() enqueues a sentinel behind everything already accepted, so
+#   the thread drains the queue, answers every request, then exits; submit()
+#   refuses new work from that moment.
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from service import native
+from service.errors import DeadlineExceeded, ModelError, NotReady, Overloaded, ServeError
+from service.models.base import Outputs
+from service.outputs import first_non_finite
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+@dataclass(eq=False)
+class Pending:
+    """One request's place in the queue; only the caller and the batch thread hold it."""
+
+    items: list[Any]
+    deadline: float
+    enqueued_at: float = field(default_factory=time.monotonic)
+    future: Future[Outputs] = field(default_factory=Future)
+    # Filled in by the batch thread before the future completes.
+    started_at: float | None = None
+    batch_size: int = 0
+
+
+@dataclass(frozen=True)
+class GatherPolicy:
+    """How long the batch thread waits for a batch to fill. Pure: no clock, no queue.
+
+    ``delay_s`` > 0 is the classic fixed window, counted from the first request's
+    arrival. With no fixed window, ``adaptive`` waits only while more requests are
+    expected (the previous batch held more than the current one does yet), and for
+    at most ``fraction`` of a model call: closed-loop clients answered together
+    come back within a few milliseconds of each other, and gathering them costs
+    far less than running the first alone while the rest wait a whole model call.
+    A lone client's batches hold one request, so it never waits.
+    """
+
+    delay_s: float = 0.0
+    adaptive: bool = True
+    fraction: float = 0.25
+    max_wait_s: float = 0.05
+
+    def deadline(
+        self, *, first_arrival: float, now: float, requests: int, expected: int, model_time_s: float
+    ) -> float | None:
+        if self.delay_s > 0:
+            return first_arrival + self.delay_s
+        if self.adaptive and requests < expected and model_time_s > 0:
+            return now + min(self.fraction * model_time_s, self.max_wait_s)
+        return None
+
+
+class BatchObserver:
+    """Hooks for metrics; called from the batch thread. The base class ignores them."""
+
+    def on_batch(self, items: int, requests: int, queue_waits: list[float], model_seconds: float) -> None:
+        pass
+
+    def on_expired(self, requests: int) -> None:
+        pass
+
+    def on_queue_depth(self, depth: int) -> None:
+        pass
+
+
+class Batcher:
+    def __init__(
+        self,
+        predict: Callable[[list[Any]], Outputs],
+        *,
+        max_batch_size: int,
+        queue_limit: int,
+        policy: GatherPolicy | None = None,
+        observer: BatchObserver | None = None,
+    ) -> None:
+        self._predict = predict
+        self._max_batch_size = max_batch_size
+        self._queue_limit = queue_limit
+        self._policy = policy or GatherPolicy()
+        self._observer = observer or BatchObserver()
+        self._queue: native.SimpleQueue[Any] = native.SimpleQueue()
+        self._lock = native.allocate_lock()  # guards _depth and _accepting
+        self._depth = 0
+        self._accepting = True
+        self._carry: Pending | None = None
+        self._expected = 1
+        self._model_time_s = 0.0
+        self._exited = native.allocate_lock()
+        self.running = False
+        # Watchdog inputs: when the current batch started (None when idle).
+        self.busy_since: float | None = None
+        self.batches_run = 0
+
+    # -- caller side ------------------------------------------------------------
+
+    @property
+    def depth(self) -> int:
+        """Requests accepted and not yet taken into a batch."""
+        return self._depth
+
+    def submit(self, items: list[Any], deadline: float) -> Pending:
+        pending = Pending(items, deadline)
+        with self._lock:
+            if not self._accepting:
+                raise NotReady("the worker is shutting down; retry on another worker")
+            if self._depth >= self._queue_limit:
+                raise Overloaded(f"the queue is full ({self._queue_limit} requests waiting); retry shortly")
+            self._depth += 1
+            depth = self._depth
+        self._queue.put(pending)
+        self._observer.on_queue_depth(depth)
+        return pending
+
+    def start(self) -> None:
+        """Run the batch loop in a new OS thread."""
+        self._exited.acquire()
+        self.running = True
+        native.start_thread(self.run)
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Refuse new work, let the thread answer everything accepted, wait for it."""
+        with self._lock:
+            if self._accepting:
+                self._accepting = False
+                self._queue.put(_STOP)
+        if not self.running:
+            return True
+        acquired = self._exited.acquire(timeout=-1 if timeout is None else timeout)
+        if acquired:
+            self._exited.release()
+        return bool(acquired)
+
+    # -- batch thread -------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            while (batch := self._gather()) is not None:
+                self.busy_since = time.monotonic()
+                try:
+                    self._run_batch(batch)
+                finally:
+                    self.busy_since = None
+                    self.batches_run += 1
+        except BaseException:
+            log.exception("batch thread crashed")
+            raise
+        finally:
+            self.running = False
+            if self._exited.locked():
+                self._exited.release()
+
+    def _take(self, timeout: float | None) -> Any:
+        """The next queued entry: blocks for ``timeout`` seconds (None: forever, 0: not at all)."""
+        item = self._queue.get(timeout != 0, timeout or None)
+        if item is not _STOP:
+            with self._lock:
+                self._depth -= 1
+                depth = self._depth
+            self._observer.on_queue_depth(depth)
+        return item
+
+    def _gather(self) -> list[Pending] | None:
+        """The next batch, or None once the sentinel is reached and nothing is left."""
+        first = self._carry if self._carry is not None else self._take(None)
+        self._carry = None
+        if first is _STOP:
+            return None
+        batch = [first]
+        size = len(first.items)
+        wait_until: float | None = None
+        while size < self._max_batch_size:
+            now = time.monotonic()
+            if wait_until is None:
+                wait_until = self._policy.deadline(
+                    first_arrival=first.enqueued_at,
+                    now=now,
+                    requests=len(batch),
+                    expected=self._expected,
+                    model_time_s=self._model_time_s,
+                )
+            try:
+                nxt = self._take(0 if wait_until is None else max(0.0, wait_until - now))
+            except native.Empty:
+                break
+            if nxt is _STOP:
+                # Re-queue the sentinel behind this batch so the loop ends after it.
+                self._queue.put(_STOP)
+                break
+            if size + len(nxt.items) > self._max_batch_size:
+                self._carry = nxt
+                break
+            batch.append(nxt)
+            size += len(nxt.items)
+            if self._policy.delay_s <= 0 and len(batch) >= self._expected:
+                # Adaptive gathering got what it waited for; take only what is already queued.
+                wait_until = now
+        return batch
+
+    def _run_batch(self, batch: list[Pending]) -> None:
+        live: list[Pending] = []
+        now = time.monotonic()
+        expired = 0
+        for pending in batch:
+            if not pending.future.set_running_or_notify_cancel():
+                continue  # the caller gave up while it was queued
+            if pending.deadline <= now:
+                waited_ms = (now - pending.enqueued_at) * 1000
+                pending.future.set_exception(
+                    DeadlineExceeded(f"the request's deadline passed after {waited_ms:.0f} ms in the queue")
+                )
+                expired += 1
+                continue
+            pending.started_at = now
+            live.append(pending)
+        if expired:
+            self._observer.on_expired(expired)
+        if not live:
+            return
+        self._expected = len(live)
+        try:
+            self._predict_and_deliver(live)
+        finally:
+            for pending in live:
+                if not pending.future.done():
+                    # Unreachable unless delivery itself broke; no caller may hang on it.
+                    pending.future.set_exception(
+                        ModelError("the batch ended without a result for this request")
+                    )
+
+    def _predict_and_deliver(self, live: list[Pending]) -> None:
+        items = [item for pending in live for item in pending.items]
+        started = time.monotonic()
+        try:
+            outputs = self._predict(items)
+            if len(outputs) != len(items):
+                raise ModelError(f"model returned {len(outputs)} outputs for {len(items)} inputs")
+        except BaseException as exc:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            error = _client_error(exc, len(items))
+            if len(live) == 1 or isinstance(error, Overloaded):
+                for pending in live:
+                    pending.batch_size = len(items)
+                    pending.future.set_exception(error)
+                return
+            log.warning("batch of %d requests failed (%s); re-running them one by one", len(live), exc)
+            for pending in live:
+                self._predict_and_deliver([pending])
+            return
+        elapsed = time.monotonic() - started
+        # Smoothed so one slow batch does not stretch the next gathering window much.
+        self._model_time_s = elapsed if self._model_time_s == 0 else 0.8 * self._model_time_s + 0.2 * elapsed
+        self._observer.on_batch(
+            len(items), len(live), [started - pending.enqueued_at for pending in live], elapsed
+        )
+        start = 0
+        for pending in live:
+            end = start + len(pending.items)
+            pending.batch_size = len(items)
+            result = outputs[start:end]
+            bad = first_non_finite(result)
+            if bad is not None:
+                pending.future.set_exception(
+                    ModelError(f"model returned a non-finite value (NaN or infinity) for input {bad}")
+                )
+            else:
+                pending.future.set_result(result)
+            start = end
+
+
+def _client_error(exc: BaseException, items: int) -> ServeError:
+    """What the callers of a failed batch are told; the details go to the log."""
+    if isinstance(exc, ServeError):
+        return exc
+    if type(exc).__name__ == "OutOfMemoryError":  # torch.cuda.OutOfMemoryError, without importing torch
+        _release_cached_gpu_memory()
+        return Overloaded(
+            f"the GPU ran out of memory for a batch of {items} items; retry, or send fewer items"
+        )
+    log.error("model failed on a batch of %d items", items, exc_info=exc)
+    return ModelError(f"the model failed on this request's inputs ({type(exc).__name__})")
+
+
+def _release_cached_gpu_memory() -> None:
+    import torch
+
+    torch.cuda.empty_cache()

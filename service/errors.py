@@ -1,0 +1,66 @@
+"""The service's exceptions.
+
+A :class:`ServeError` carries the HTTP status its client should see; the routes
+turn it into ``{"error": message}``. Where callers already catch a stdlib
+exception for the same condition, the class subclasses it too.
+"""
+
+from __future__ import annotations
+
+
+class SettingsError(ValueError):
+    """A ``SERVE_*`` variable holds a value the service cannot use."""
+
+
+class ServeError(Exception):
+    status = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class BadRequest(ServeError, ValueError):
+    status = 400
+
+
+class Unauthorized(ServeError):
+    status = 401
+
+
+class PayloadTooLarge(ServeError, ValueError):
+    status = 413
+
+
+class UnsupportedMediaType(ServeError, ValueError):
+    status = 415
+
+
+class InvalidInput(ServeError, ValueError):
+    """The body parsed but its ``inputs`` do not fit the model."""
+
+    status = 422
+
+
+class ModelError(ServeError, RuntimeError):
+    """The model raised, or broke its contract, for this request's items."""
+
+    status = 500
+
+
+class Overloaded(ServeError):
+    """The worker cannot take the request now; the client should retry later."""
+
+    status = 503
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class NotReady(Overloaded):
+    """The model is still loading, or the batcher has stopped."""
+
+
+class DeadlineExceeded(ServeError, TimeoutError):
+    status = 504

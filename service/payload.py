@@ -1,0 +1,58 @@
+"""Request bodies to model items, and results to response bodies. Pure: no Flask.
+
+Sizes are bounded before parsing (Flask's ``MAX_CONTENT_LENGTH`` refuses an
+oversized body as it streams in), and every item passes ``model.prepare`` before
+the request may reach a batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from service.errors import BadRequest, InvalidInput, PayloadTooLarge, UnsupportedMediaType
+from service.models.base import Model, Outputs, json_type
+
+JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
+
+
+def parse_inputs(body: bytes, content_type: str | None, model: Model, max_items: int) -> list[Any]:
+    """The prepared items of a ``{"inputs": [...]}`` body; raises a ServeError naming the problem."""
+    mimetype = (content_type or "").split(";", 1)[0].strip().lower()
+    if mimetype != "application/json":
+        raise UnsupportedMediaType(f"Content-Type must be application/json, got {mimetype or 'none'}")
+    if not body:
+        raise BadRequest('the request body is empty; send {"inputs": [item, ...]}')
+    try:
+        document = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise InvalidInput(f'the body must be a JSON object with an "inputs" list, got {json_type(document)}')
+    if "inputs" not in document:
+        raise InvalidInput('the body has no "inputs" field; send {"inputs": [item, ...]}')
+    inputs = document["inputs"]
+    if not isinstance(inputs, list):
+        raise InvalidInput(f'"inputs" must be a list, got {json_type(inputs)}')
+    if not inputs:
+        raise InvalidInput('"inputs" is empty; send at least one item')
+    if len(inputs) > max_items:
+        raise PayloadTooLarge(
+            f'"inputs" holds {len(inputs)} items; the limit is {max_items} (SERVE_MAX_ITEMS_PER_REQUEST)'
+        )
+    prepared = []
+    for index, item in enumerate(inputs):
+        try:
+            prepared.append(model.prepare(item))
+        except ValueError as exc:
+            raise InvalidInput(f"inputs[{index}]: {exc}") from None
+    return prepared
+
+
+def render_outputs(model_name: str, outputs: Outputs) -> bytes:
+    return orjson.dumps({"model": model_name, "outputs": outputs}, option=JSON_OPTIONS)
+
+
+def render_error(message: str) -> bytes:
+    return orjson.dumps({"error": message})

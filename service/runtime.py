@@ -1,0 +1,127 @@
+# design:
+# - ModelRuntime is the worker's Flask extension: it owns the model and the
+#   Batcher. start() runs in the worker process (never in the gunicorn master);
+#   it sets torch's thread counts, then loads the model in a new OS thread so
+#   that /healthz answers while the weights load, and starts the batch thread
+#   once the model is ready.
+# - Request threads read ``model`` and ``batcher`` only after ``ready`` says so;
+#   both are assigned once and never replaced.
+# - stop() asks the batcher to drain; see service.batching.
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from typing import Any
+
+from flask import Flask
+
+from service import native
+from service.batching import Batcher, BatchObserver, GatherPolicy, Pending
+from service.errors import ModelError, NotReady
+from service.models import Model, load_model
+from service.models.base import Outputs
+from service.outputs import check_outputs
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+EXTENSION = "serve"
+
+
+class ModelRuntime:
+    def __init__(self, settings: Settings, observer: BatchObserver | None = None) -> None:
+        self.settings = settings
+        self.observer = observer or BatchObserver()
+        self.model: Model | None = None
+        self.batcher: Batcher | None = None
+        self.failure: str | None = None
+        self.load_seconds: float | None = None
+        self.pid = os.getpid()
+
+    def init_app(self, app: Flask) -> None:
+        app.extensions[EXTENSION] = self
+
+    def start(self) -> None:
+        configure_torch(self.settings.torch_threads)
+        native.start_thread(self._load)
+
+    def _load(self) -> None:
+        started = time.monotonic()
+        try:
+            model = load_model(self.settings, select_device())
+        except Exception as exc:
+            log.exception("model %r failed to load", self.settings.model)
+            self.failure = f"the model failed to load: {exc}"
+            return
+        self.load_seconds = time.monotonic() - started
+        policy = GatherPolicy(
+            delay_s=self.settings.max_batch_delay_ms / 1000,
+            adaptive=self.settings.batch_gather == "adaptive",
+        )
+        batcher = Batcher(
+            model.predict,
+            max_batch_size=self.settings.max_batch_size,
+            queue_limit=self.settings.queue_limit,
+            policy=policy,
+            observer=self.observer,
+        )
+        batcher.start()
+        self.model, self.batcher = model, batcher
+        log.info("model %s loaded on %s in %.1f s", model.name, model.device, self.load_seconds)
+
+    def readiness(self) -> str | None:
+        """None when ready to serve, else why not."""
+        if self.failure is not None:
+            return self.failure
+        if self.batcher is None:
+            return "the model is loading"
+        if not self.batcher.running:
+            return "the batch thread has stopped"
+        return None
+
+    def require_ready(self) -> tuple[Model, Batcher]:
+        reason = self.readiness()
+        if reason is not None or self.model is None or self.batcher is None:
+            raise NotReady(f"not ready: {reason}", retry_after_s=5)
+        return self.model, self.batcher
+
+    def predict_naive(self, items: list[Any]) -> Outputs:
+        """Run the model on one request's items in the calling thread."""
+        model, _ = self.require_ready()
+        try:
+            outputs = model.predict(items)
+        except Exception as exc:
+            log.exception("model failed on %d items", len(items))
+            raise ModelError(f"the model failed on this request's inputs ({type(exc).__name__})") from None
+        check_outputs(outputs, len(items))
+        return outputs
+
+    def submit(self, items: list[Any], deadline: float) -> Pending:
+        _, batcher = self.require_ready()
+        return batcher.submit(items, deadline)
+
+    def stop(self, timeout: float | None = None) -> bool:
+        return self.batcher.stop(timeout) if self.batcher is not None else True
+
+
+def configure_torch(threads: int | None) -> None:
+    """Fix torch's pools before any model work: intra-op as planned, inter-op 1."""
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    # One inter-op thread: requests are parallel across workers and batches,
+    # and a second pool per worker only competes for the same cores. It can be
+    # set once per process; tests build several apps in one.
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)
+
+
+def select_device() -> str:
+    """The worker's device: its planned GPU when one is visible, else the CPU."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

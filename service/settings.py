@@ -1,0 +1,155 @@
+"""Typed, immutable settings read once from ``SERVE_*`` environment variables.
+
+Every other module receives a :class:`Settings`; none reads ``os.environ`` itself.
+Errors name the variable, the value and what is allowed, so a typo is fixed in
+one try.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from service.errors import SettingsError
+
+WORKER_CLASSES = ("gthread", "gevent", "sync")
+LOG_FORMATS = ("text", "json")
+BATCH_GATHER_POLICIES = ("adaptive", "eager")
+
+
+def _integer(lo: int, hi: int) -> Callable[[str, str], int]:
+    def parse(name: str, raw: str) -> int:
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            value = None
+        if value is None or not lo <= value <= hi:
+            raise SettingsError(f"{name} must be an integer from {lo} to {hi}, got {raw!r}")
+        return value
+
+    return parse
+
+
+def _number(lo: float, hi: float) -> Callable[[str, str], float]:
+    def parse(name: str, raw: str) -> float:
+        try:
+            value = float(raw.strip())
+        except ValueError:
+            value = None
+        # NaN fails both comparisons, so it is refused here too.
+        if value is None or not lo <= value <= hi:
+            raise SettingsError(f"{name} must be a number from {lo:g} to {hi:g}, got {raw!r}")
+        return value
+
+    return parse
+
+
+def _choice(*allowed: str) -> Callable[[str, str], str]:
+    def parse(name: str, raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in allowed:
+            raise SettingsError(f"{name} must be one of {', '.join(allowed)}, got {raw!r}")
+        return value
+
+    return parse
+
+
+def _text(name: str, raw: str) -> str:
+    value = raw.strip()
+    if not value:
+        raise SettingsError(f"{name} must not be empty")
+    return value
+
+
+def _shape(name: str, raw: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(part) for part in raw.split(","))
+    except ValueError:
+        dims = ()
+    if not dims or any(d < 1 for d in dims):
+        raise SettingsError(
+            f"{name} must be a comma-separated list of positive integers such as 3,32,32, got {raw!r}"
+        )
+    return dims
+
+
+def _bind(name: str, raw: str) -> str:
+    value = raw.strip()
+    if value.startswith("unix:"):
+        return value
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise SettingsError(f"{name} must be HOST:PORT or unix:PATH, got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The service's configuration; ``Settings.from_env()`` is the only reader."""
+
+    model: str = "minilm"
+    max_batch_size: int = 64
+    max_batch_delay_ms: float = 0.0
+    batch_gather: str = "adaptive"
+    max_items_per_request: int = 64
+    max_body_bytes: int = 1 << 20
+    max_queue: int | None = None
+    request_timeout_ms: int = 30_000
+    mlp_width: int = 256
+    mlp_depth: int = 8
+    mlp_seed: int = 0
+    item_shape: tuple[int, ...] | None = None
+    bind: str = "127.0.0.1:8000"
+    workers: int | None = None
+    threads: int | None = None
+    torch_threads: int | None = None
+    worker_class: str = "gthread"
+    log_format: str = "text"
+    api_token: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for field_name, (var, parse) in _FIELDS.items():
+            raw = env.get(var)
+            if raw is not None and raw.strip() != "":
+                values[field_name] = parse(var, raw)
+        return cls(**values)
+
+    @property
+    def queue_limit(self) -> int:
+        """Most requests one worker may hold queued before it answers 503."""
+        # Four full batches: enough to keep the model busy while the next
+        # batches gather, few enough that a queued request waits a bounded time.
+        return self.max_queue if self.max_queue is not None else 4 * self.max_batch_size
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+
+# field name -> (environment variable, parser); the README's settings table follows this order.
+_FIELDS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
+    "model": ("SERVE_MODEL", _text),
+    "max_batch_size": ("SERVE_MAX_BATCH_SIZE", _integer(1, 4096)),
+    "max_batch_delay_ms": ("SERVE_MAX_BATCH_DELAY_MS", _number(0, 10_000)),
+    "batch_gather": ("SERVE_BATCH_GATHER", _choice(*BATCH_GATHER_POLICIES)),
+    "max_items_per_request": ("SERVE_MAX_ITEMS_PER_REQUEST", _integer(1, 4096)),
+    "max_body_bytes": ("SERVE_MAX_BODY_BYTES", _integer(1024, 1 << 30)),
+    "max_queue": ("SERVE_MAX_QUEUE", _integer(1, 1_000_000)),
+    "request_timeout_ms": ("SERVE_REQUEST_TIMEOUT_MS", _integer(1, 3_600_000)),
+    "mlp_width": ("SERVE_MLP_WIDTH", _integer(1, 65_536)),
+    "mlp_depth": ("SERVE_MLP_DEPTH", _integer(1, 1024)),
+    "mlp_seed": ("SERVE_MLP_SEED", _integer(0, 2**31 - 1)),
+    "item_shape": ("SERVE_ITEM_SHAPE", _shape),
+    "bind": ("SERVE_BIND", _bind),
+    "workers": ("SERVE_WORKERS", _integer(1, 1024)),
+    "threads": ("SERVE_THREADS", _integer(1, 10_000)),
+    "torch_threads": ("SERVE_TORCH_THREADS", _integer(1, 1024)),
+    "worker_class": ("SERVE_WORKER_CLASS", _choice(*WORKER_CLASSES)),
+    "log_format": ("SERVE_LOG_FORMAT", _choice(*LOG_FORMATS)),
+    "api_token": ("SERVE_API_TOKEN", _text),
+}

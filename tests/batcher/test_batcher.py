@@ -1,0 +1,253 @@
+"""Deterministic batcher tests: they wait on events, never on sleeps."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from service.batching import Batcher, GatherPolicy
+from service.errors import DeadlineExceeded, ModelError, NotReady, Overloaded
+from service.waiting import wait_result
+
+FAR = 1e18  # a deadline that never passes
+
+
+class GatedPredict:
+    """A model whose every call waits at a gate, so tests decide when batches finish."""
+
+    def __init__(self, fail_on: str | None = None) -> None:
+        self.batches: list[list[Any]] = []
+        self.entered = threading.Semaphore(0)
+        self.gate = threading.Event()
+        self.fail_on = fail_on
+
+    def __call__(self, batch: list[Any]) -> list[Any]:
+        self.batches.append(list(batch))
+        self.entered.release()
+        assert self.gate.wait(10), "test never opened the gate"
+        if self.fail_on is not None and self.fail_on in batch:
+            raise ValueError("bad item")
+        return [f"out:{item}" for item in batch]
+
+    def wait_entered(self) -> None:
+        assert self.entered.acquire(timeout=10), "the batch thread never called the model"
+
+
+@pytest.fixture
+def gated() -> GatedPredict:
+    return GatedPredict()
+
+
+def started(predict: Any, **kwargs: Any) -> Batcher:
+    options: dict[str, Any] = {
+        "max_batch_size": 64,
+        "queue_limit": 100,
+        "policy": GatherPolicy(adaptive=False),
+    }
+    options.update(kwargs)
+    batcher = Batcher(predict, **options)
+    batcher.start()
+    return batcher
+
+
+@pytest.fixture
+def cleanup() -> Iterator[list[Batcher]]:
+    batchers: list[Batcher] = []
+    yield batchers
+    for batcher in batchers:
+        batcher.stop(timeout=10)
+
+
+def test_lone_request_runs_at_once(cleanup: list[Batcher]) -> None:
+    calls: list[list[Any]] = []
+    batcher = started(lambda batch: calls.append(batch) or [x * 2 for x in batch])
+    cleanup.append(batcher)
+    pending = batcher.submit([21], FAR)
+    assert wait_result(pending.future, 10) == [42]
+    assert calls == [[21]]
+    assert pending.batch_size == 1
+
+
+def test_requests_queued_behind_a_busy_model_run_as_one_batch(
+    gated: GatedPredict, cleanup: list[Batcher]
+) -> None:
+    batcher = started(gated)
+    cleanup.append(batcher)
+    first = batcher.submit(["a"], FAR)
+    gated.wait_entered()  # the model is busy with the first request
+    others = [batcher.submit([f"b{i}", f"c{i}"], FAR) for i in range(3)]
+    gated.gate.set()
+    assert wait_result(first.future, 10) == ["out:a"]
+    for i, pending in enumerate(others):
+        assert wait_result(pending.future, 10) == [f"out:b{i}", f"out:c{i}"]
+        assert pending.batch_size == 6
+    assert [len(b) for b in gated.batches] == [1, 6]
+
+
+def test_a_request_that_does_not_fit_heads_the_next_batch(
+    gated: GatedPredict, cleanup: list[Batcher]
+) -> None:
+    batcher = started(gated, max_batch_size=4)
+    cleanup.append(batcher)
+    batcher.submit(["x"], FAR)
+    gated.wait_entered()
+    big, mid, small = (batcher.submit(items, FAR) for items in (["a"] * 3, ["b"] * 2, ["c"]))
+    gated.gate.set()
+    for pending in (big, mid, small):
+        wait_result(pending.future, 10)
+    assert gated.batches == [["x"], ["a", "a", "a"], ["b", "b", "c"]]
+
+
+def test_a_bad_item_fails_only_its_own_request(cleanup: list[Batcher]) -> None:
+    gated = GatedPredict(fail_on="bad")
+    batcher = started(gated)
+    cleanup.append(batcher)
+    batcher.submit(["warmup"], FAR)
+    gated.wait_entered()
+    good1, bad, good2 = (batcher.submit(items, FAR) for items in (["a"], ["b", "bad"], ["c"]))
+    gated.gate.set()
+    assert wait_result(good1.future, 10) == ["out:a"]
+    assert wait_result(good2.future, 10) == ["out:c"]
+    with pytest.raises(ModelError, match="ValueError"):
+        wait_result(bad.future, 10)
+    # The whole batch ran once, then each request alone.
+    assert gated.batches[1:] == [["a", "b", "bad", "c"], ["a"], ["b", "bad"], ["c"]]
+
+
+def test_the_thread_survives_model_exceptions(cleanup: list[Batcher]) -> None:
+    def predict(batch: list[Any]) -> list[Any]:
+        if batch == ["raise"]:
+            raise RuntimeError("model broke")
+        return batch
+
+    batcher = started(predict)
+    cleanup.append(batcher)
+    with pytest.raises(ModelError):
+        wait_result(batcher.submit(["raise"], FAR).future, 10)
+    assert wait_result(batcher.submit(["fine"], FAR).future, 10) == ["fine"]
+    assert batcher.running
+
+
+def test_output_count_mismatch_names_both_numbers(cleanup: list[Batcher]) -> None:
+    batcher = started(lambda batch: batch[:-1])
+    cleanup.append(batcher)
+    with pytest.raises(ModelError, match="model returned 3 outputs for 4 inputs"):
+        wait_result(batcher.submit([1, 2, 3, 4], FAR).future, 10)
+
+
+def test_non_finite_outputs_fail_only_the_request_that_holds_them(
+    gated: GatedPredict, cleanup: list[Batcher]
+) -> None:
+    def predict(batch: list[float]) -> np.ndarray:
+        gated(batch)
+        return np.array([[x, 1.0] for x in batch], dtype=np.float32)
+
+    batcher = started(predict)
+    cleanup.append(batcher)
+    batcher.submit([0.0], FAR)
+    gated.wait_entered()
+    fine, nan = batcher.submit([1.0], FAR), batcher.submit([2.0, math.nan], FAR)
+    gated.gate.set()
+    np.testing.assert_array_equal(wait_result(fine.future, 10), [[1.0, 1.0]])
+    with pytest.raises(ModelError, match=r"non-finite value .* for input 1"):
+        wait_result(nan.future, 10)
+
+
+def test_cancelled_requests_never_reach_the_model(gated: GatedPredict, cleanup: list[Batcher]) -> None:
+    batcher = started(gated)
+    cleanup.append(batcher)
+    batcher.submit(["first"], FAR)
+    gated.wait_entered()
+    gone = batcher.submit(["gone"], FAR)
+    assert gone.future.cancel()
+    kept = batcher.submit(["kept"], FAR)
+    gated.gate.set()
+    assert wait_result(kept.future, 10) == ["out:kept"]
+    assert ["gone"] not in gated.batches and all("gone" not in b for b in gated.batches)
+
+
+def test_an_expired_request_is_dropped_before_inference(gated: GatedPredict, cleanup: list[Batcher]) -> None:
+    batcher = started(gated)
+    cleanup.append(batcher)
+    batcher.submit(["first"], FAR)
+    gated.wait_entered()
+    expired = batcher.submit(["late"], time.monotonic())  # its deadline has already passed
+    gated.gate.set()
+    with pytest.raises(DeadlineExceeded, match="in the queue"):
+        wait_result(expired.future, 10)
+    assert all("late" not in b for b in gated.batches)
+
+
+def test_a_caller_that_times_out_leaves_nothing_behind(gated: GatedPredict, cleanup: list[Batcher]) -> None:
+    batcher = started(gated)
+    cleanup.append(batcher)
+    running = batcher.submit(["first"], FAR)
+    gated.wait_entered()
+    queued = batcher.submit(["queued"], FAR)
+    with pytest.raises(DeadlineExceeded):
+        wait_result(queued.future, 0)
+    assert queued.future.cancelled()
+    with pytest.raises(DeadlineExceeded):
+        wait_result(running.future, 0)  # running: cannot cancel; its result is dropped
+    gated.gate.set()
+    assert batcher.stop(timeout=10)
+    assert running.future.result(timeout=0) == ["out:first"]
+    assert batcher.depth == 0
+    assert gated.batches == [["first"]]
+
+
+def test_a_full_queue_refuses_at_once(gated: GatedPredict, cleanup: list[Batcher]) -> None:
+    batcher = started(gated, queue_limit=2)
+    cleanup.append(batcher)
+    batcher.submit(["running"], FAR)
+    gated.wait_entered()
+    batcher.submit(["q1"], FAR)
+    batcher.submit(["q2"], FAR)
+    with pytest.raises(Overloaded, match="queue is full"):
+        batcher.submit(["q3"], FAR)
+    gated.gate.set()
+
+
+def test_stop_answers_everything_accepted_then_refuses(gated: GatedPredict) -> None:
+    batcher = started(gated)
+    accepted = [batcher.submit([i], FAR) for i in range(5)]
+    gated.wait_entered()
+    stopper = threading.Thread(target=batcher.stop, kwargs={"timeout": 10})
+    stopper.start()
+    gated.gate.set()
+    stopper.join(10)
+    assert [wait_result(p.future, 10) for p in accepted] == [[f"out:{i}"] for i in range(5)]
+    assert not batcher.running
+    with pytest.raises(NotReady, match="shutting down"):
+        batcher.submit([9], FAR)
+
+
+class TestGatherPolicy:
+    def test_no_wait_by_default_for_a_lone_request(self) -> None:
+        policy = GatherPolicy()
+        assert policy.deadline(first_arrival=0, now=0, requests=1, expected=1, model_time_s=0.05) is None
+
+    def test_fixed_delay_counts_from_the_first_arrival(self) -> None:
+        policy = GatherPolicy(delay_s=0.01)
+        assert policy.deadline(first_arrival=5.0, now=5.004, requests=1, expected=1, model_time_s=0) == 5.01
+
+    def test_adaptive_waits_a_fraction_of_the_model_time_while_more_are_expected(self) -> None:
+        policy = GatherPolicy(fraction=0.25, max_wait_s=1)
+        assert policy.deadline(first_arrival=0, now=2, requests=1, expected=8, model_time_s=0.04) == 2.01
+
+    def test_adaptive_wait_is_capped(self) -> None:
+        policy = GatherPolicy(fraction=0.5, max_wait_s=0.02)
+        assert policy.deadline(first_arrival=0, now=0, requests=1, expected=8, model_time_s=10) == 0.02
+
+    def test_adaptive_does_not_wait_before_a_model_time_is_known(self) -> None:
+        assert GatherPolicy().deadline(first_arrival=0, now=0, requests=1, expected=8, model_time_s=0) is None
+
+    def test_eager_never_waits(self) -> None:
+        policy = GatherPolicy(adaptive=False)
+        assert policy.deadline(first_arrival=0, now=0, requests=1, expected=8, model_time_s=1) is None

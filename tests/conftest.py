@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from flask import Flask
+from flask.testing import FlaskClient
+
+from service import create_app
+from service.runtime import EXTENSION, ModelRuntime
+from service.settings import Settings
+
+SMALL_MLP = Settings(model="mlp", mlp_width=16, mlp_depth=2, max_items_per_request=8, torch_threads=1)
+
+
+def wait_until_ready(app: Flask, timeout: float = 60) -> ModelRuntime:
+    runtime: ModelRuntime = app.extensions[EXTENSION]
+    deadline = time.monotonic() + timeout
+    while runtime.readiness() == "the model is loading" and time.monotonic() < deadline:
+        time.sleep(0.01)  # the loader thread offers no event; loading takes milliseconds here
+    return runtime
+
+
+@pytest.fixture
+def make_client() -> Iterator[Callable[[Settings], FlaskClient]]:
+    runtimes: list[ModelRuntime] = []
+
+    def make(settings: Settings) -> FlaskClient:
+        app = create_app(settings)
+        runtimes.append(wait_until_ready(app))
+        return app.test_client()
+
+    yield make
+    for runtime in runtimes:
+        runtime.stop(timeout=10)
+
+
+@pytest.fixture
+def client(make_client: Callable[[Settings], FlaskClient]) -> FlaskClient:
+    return make_client(SMALL_MLP)

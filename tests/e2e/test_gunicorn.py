@@ -1,0 +1,89 @@
+"""End to end: real gunicorn, real default model, every route and the error cases."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import requests
+
+from tests.support.server import Server, gunicorn
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def minilm() -> Iterator[Server]:
+    with gunicorn({"SERVE_WORKERS": "1"}) as server:
+        yield server
+
+
+def test_default_model_serves_real_embeddings_on_both_routes(minilm: Server) -> None:
+    body = {"inputs": ["A man is eating food.", "A man is eating a piece of bread.", "The sky is blue."]}
+    naive = minilm.post("/predict/naive", json=body)
+    batched = minilm.post("/predict/batched", json=body)
+    assert naive.status_code == batched.status_code == 200
+    assert naive.headers["Content-Type"] == "application/json"
+    assert batched.json()["model"] == "all-MiniLM-L6-v2"
+    a, b = np.array(naive.json()["outputs"]), np.array(batched.json()["outputs"])
+    assert a.shape == (3, 384)
+    np.testing.assert_allclose(a, b, atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(a, axis=1), 1.0, rtol=1e-5)
+    similar, unrelated = a[0] @ a[1], a[0] @ a[2]
+    assert similar > unrelated + 0.3
+
+
+def test_probes_and_info(minilm: Server) -> None:
+    assert minilm.get("/healthz").json() == {"status": "ok"}
+    assert minilm.get("/readyz").json() == {"status": "ready"}
+    info = minilm.get("/info").json()
+    assert info["model"]["name"] == "all-MiniLM-L6-v2"
+    assert info["model"]["item_kind"] == "text"
+    assert info["model"]["item_shape"] == [384]
+    assert info["batching"]["max_batch_size"] == 64
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "status"),
+    [
+        ({"data": b"{nope", "headers": {"Content-Type": "application/json"}}, 400),
+        ({"data": b'{"inputs": ["x"]}', "headers": {"Content-Type": "text/plain"}}, 415),
+        ({"json": {"inputs": []}}, 422),
+        ({"json": {"inputs": ["ok", 7]}}, 422),
+        ({"json": {"inputs": ["x"] * 65}}, 413),
+        ({"data": b"x" * (2 << 20), "headers": {"Content-Type": "application/json"}}, 413),
+    ],
+)
+def test_error_cases_get_json_errors(minilm: Server, kwargs: dict[str, object], status: int) -> None:
+    for route in ("/predict/naive", "/predict/batched"):
+        response = minilm.post(route, **kwargs)
+        assert response.status_code == status, response.text
+        assert "error" in response.json()
+        assert "Traceback" not in response.text
+
+
+def test_concurrent_requests_are_batched_and_each_gets_its_own_outputs(minilm: Server) -> None:
+    sentences = [f"sentence number {i} about topic {i % 5}" for i in range(48)]
+    reference = np.array(minilm.post("/predict/naive", json={"inputs": sentences}).json()["outputs"])
+
+    def one(i: int) -> tuple[int, list[float], int]:
+        response = requests.post(minilm.url + "/predict/batched", json={"inputs": [sentences[i]]}, timeout=60)
+        return response.status_code, response.json()["outputs"][0], int(response.headers["X-Batch-Size"])
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(len(sentences))))
+    assert all(status == 200 for status, _, _ in results)
+    for i, (_, output, _) in enumerate(results):
+        np.testing.assert_allclose(output, reference[i], atol=1e-4)
+    assert max(size for _, _, size in results) > 1
+
+
+def test_sigterm_stops_cleanly() -> None:
+    with gunicorn({"SERVE_MODEL": "mlp", "SERVE_WORKERS": "1"}) as server:
+        assert server.post("/predict", json={"inputs": [[0.0] * 256]}).status_code == 200
+        server.signal(signal.SIGTERM)
+        assert server.process.wait(30) == 0
+        assert "Shutting down: Master" in server.log()

@@ -1,0 +1,133 @@
+"""In-process tests of the routes, through Flask's test client."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from flask.testing import FlaskClient
+
+from service.runtime import EXTENSION
+from service.settings import Settings
+from tests.support.models import POISON, EchoModel
+
+VECTOR = [0.1 * i for i in range(16)]
+
+
+def test_both_routes_return_the_same_outputs(client: FlaskClient) -> None:
+    body = {"inputs": [VECTOR, VECTOR[::-1]]}
+    naive = client.post("/predict/naive", json=body)
+    batched = client.post("/predict/batched", json=body)
+    alias = client.post("/predict", json=body)
+    assert naive.status_code == batched.status_code == alias.status_code == 200
+    assert naive.json["model"] == batched.json["model"] == "mlp"  # type: ignore[index]
+    assert len(naive.json["outputs"]) == 2  # type: ignore[index]
+    np.testing.assert_allclose(naive.json["outputs"], batched.json["outputs"], rtol=1e-5, atol=1e-6)  # type: ignore[index]
+    np.testing.assert_allclose(alias.json["outputs"], batched.json["outputs"], rtol=1e-5, atol=1e-6)  # type: ignore[index]
+    assert naive.json["outputs"][0] != naive.json["outputs"][1]  # type: ignore[index]
+
+
+def test_probes_and_info(client: FlaskClient) -> None:
+    assert client.get("/healthz").json == {"status": "ok"}
+    assert client.get("/readyz").json == {"status": "ready"}
+    info = client.get("/info").json
+    assert info["model"] == {"name": "mlp", "item_kind": "vector", "item_shape": [16], "device": "cpu"}  # type: ignore[index]
+    assert info["batching"]["max_batch_size"] == 64  # type: ignore[index]
+    assert isinstance(info["pid"], int)  # type: ignore[index]
+
+
+@pytest.mark.parametrize("route", ["/predict/naive", "/predict/batched"])
+@pytest.mark.parametrize(
+    ("kwargs", "status", "fragment"),
+    [
+        ({"data": b"{nope", "content_type": "application/json"}, 400, "not valid JSON"),
+        ({"data": b'{"inputs": [[1]]}', "content_type": "text/plain"}, 415, "Content-Type"),
+        ({"json": {}}, 422, '"inputs"'),
+        ({"json": {"inputs": []}}, 422, "empty"),
+        ({"json": {"inputs": [VECTOR, [1, 2]]}}, 422, "inputs[1]"),
+        ({"json": {"inputs": [VECTOR] * 9}}, 413, "limit is 8"),
+        (
+            {"data": b"[" + b" " * 2_000_000 + b"]", "content_type": "application/json"},
+            413,
+            "SERVE_MAX_BODY_BYTES",
+        ),
+    ],
+)
+def test_bad_input_gets_a_json_error(
+    client: FlaskClient, route: str, kwargs: dict[str, object], status: int, fragment: str
+) -> None:
+    response = client.post(route, **kwargs)  # type: ignore[arg-type]
+    assert response.status_code == status
+    assert response.is_json
+    assert fragment in response.json["error"]  # type: ignore[index]
+    assert "Traceback" not in response.get_data(as_text=True)
+
+
+def test_unknown_routes_and_methods_get_json_errors(client: FlaskClient) -> None:
+    missing = client.get("/nope")
+    assert missing.status_code == 404 and missing.is_json
+    wrong = client.get("/predict/batched")
+    assert wrong.status_code == 405 and wrong.is_json
+    assert "POST" in wrong.headers["Allow"]
+
+
+def test_requests_report_the_batch_they_ran_in(client: FlaskClient) -> None:
+    response = client.post("/predict/batched", json={"inputs": [VECTOR, VECTOR]})
+    assert response.headers["X-Batch-Size"] == "2"
+
+
+def test_a_bad_item_in_a_concurrent_batch_fails_only_its_request(
+    make_client: Callable[[Settings], FlaskClient],
+) -> None:
+    client = make_client(Settings(model="tests.support.models:echo"))
+    model: EchoModel = client.application.extensions[EXTENSION].model._inner
+    model.gate.clear()
+    results: dict[str, tuple[int, object]] = {}
+
+    def call(name: str, items: list[str]) -> None:
+        response = client.application.test_client().post("/predict/batched", json={"inputs": items})
+        results[name] = (response.status_code, response.json)
+
+    first = threading.Thread(target=call, args=("first", ["warm"]))
+    first.start()
+    assert model.entered.wait(10)
+    runtime = client.application.extensions[EXTENSION]
+    threads = [
+        threading.Thread(target=call, args=(name, items))
+        for name, items in (("good", ["abc"]), ("bad", ["x", POISON]), ("other", ["hello"]))
+    ]
+    for thread in threads:
+        thread.start()
+    while runtime.batcher.depth < 3:  # all three queued behind the busy model
+        threading.Event().wait(0.005)
+    model.gate.set()
+    for thread in [first, *threads]:
+        thread.join(10)
+    assert results["good"] == (200, {"model": "echo", "outputs": [[3.0]]})
+    assert results["other"] == (200, {"model": "echo", "outputs": [[5.0]]})
+    assert results["bad"][0] == 500
+    assert "ValueError" in results["bad"][1]["error"]  # type: ignore[index]
+    assert ["abc", "x", POISON, "hello"] in model.batches  # they did run as one batch first
+
+
+def test_bearer_token_guards_the_predict_routes(make_client: Callable[[Settings], FlaskClient]) -> None:
+    client = make_client(Settings(model="mlp", mlp_width=16, mlp_depth=1, api_token="s3cret"))
+    body = {"inputs": [VECTOR]}
+    refused = client.post("/predict", json=body)
+    assert refused.status_code == 401
+    assert refused.headers["WWW-Authenticate"].startswith("Bearer")
+    assert client.post("/predict", json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert client.post("/predict", json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert client.get("/healthz").status_code == 200
+
+
+def test_a_model_that_fails_to_load_reports_why(make_client: Callable[[Settings], FlaskClient]) -> None:
+    client = make_client(Settings(model="no_such_module:factory"))
+    ready = client.get("/readyz")
+    assert ready.status_code == 503
+    assert "no_such_module" in ready.json["error"]  # type: ignore[index]
+    predict = client.post("/predict", json={"inputs": ["x"]})
+    assert predict.status_code == 503
+    assert predict.headers["Retry-After"]

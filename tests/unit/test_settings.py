@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import pytest
+
+from service.errors import SettingsError
+from service.settings import Settings
+
+
+def test_defaults_with_an_empty_environment() -> None:
+    settings = Settings.from_env({})
+    assert settings == Settings()
+    assert settings.model == "minilm"
+    assert settings.max_batch_size == 64
+    assert settings.max_batch_delay_ms == 0
+    assert settings.queue_limit == 4 * 64
+
+
+def test_values_are_parsed_and_typed() -> None:
+    settings = Settings.from_env(
+        {
+            "SERVE_MODEL": "mlp",
+            "SERVE_MAX_BATCH_SIZE": " 32 ",
+            "SERVE_MAX_BATCH_DELAY_MS": "2.5",
+            "SERVE_WORKER_CLASS": "GEVENT",
+            "SERVE_ITEM_SHAPE": "3,32,32",
+            "SERVE_MAX_QUEUE": "10",
+            "UNRELATED": "x",
+        }
+    )
+    assert (settings.model, settings.max_batch_size, settings.max_batch_delay_ms) == ("mlp", 32, 2.5)
+    assert settings.worker_class == "gevent"
+    assert settings.item_shape == (3, 32, 32)
+    assert settings.queue_limit == 10
+
+
+def test_an_empty_value_means_the_default() -> None:
+    assert Settings.from_env({"SERVE_MAX_BATCH_SIZE": ""}).max_batch_size == 64
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("SERVE_MAX_BATCH_SIZE", "abc", "SERVE_MAX_BATCH_SIZE must be an integer from 1 to 4096, got 'abc'"),
+        ("SERVE_MAX_BATCH_SIZE", "0", "SERVE_MAX_BATCH_SIZE must be an integer from 1 to 4096, got '0'"),
+        ("SERVE_MAX_BATCH_DELAY_MS", "nan", "SERVE_MAX_BATCH_DELAY_MS must be a number from 0 to 10000"),
+        ("SERVE_MAX_BATCH_DELAY_MS", "-1", "SERVE_MAX_BATCH_DELAY_MS must be a number"),
+        ("SERVE_WORKER_CLASS", "eventlet", "SERVE_WORKER_CLASS must be one of gthread, gevent, sync"),
+        ("SERVE_ITEM_SHAPE", "3,x", "SERVE_ITEM_SHAPE must be a comma-separated list of positive integers"),
+        ("SERVE_BIND", "8000", "SERVE_BIND must be HOST:PORT or unix:PATH, got '8000'"),
+        ("SERVE_MAX_BODY_BYTES", "10", "SERVE_MAX_BODY_BYTES must be an integer from 1024"),
+    ],
+)
+def test_bad_values_name_the_variable_the_value_and_what_is_allowed(
+    variable: str, value: str, message: str
+) -> None:
+    with pytest.raises(SettingsError, match="^" + message.replace("(", r"\(").replace(".", r"\.")):
+        Settings.from_env({variable: value})
+
+
+def test_settings_are_immutable() -> None:
+    settings = Settings()
+    with pytest.raises(AttributeError):
+        settings.model = "mlp"  # type: ignore[misc]
