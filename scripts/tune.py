@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""Measure the model's batch-latency curve offline and recommend SERVE_* settings for this machine.
+
+    .venv/bin/python scripts/tune.py                 # the default model (SERVE_MODEL), ~2 min
+    .venv/bin/python scripts/tune.py --model mlp --max-batch 128 --seconds 2
+
+For every workers x torch-threads split that fits the usable cores it runs full batches of
+1, 2, 4, ... up to --max-batch in every worker process at once, with no HTTP, and reports
+items/s and the median batch time. It recommends the split with the highest throughput, and
+the smallest max batch size that reaches 95% of that split's best throughput: larger batches
+add latency under load for almost no gain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from service.offline import Measurement, measure, splits_for
+from service.settings import Settings
+
+SENTENCE = "The quick brown fox jumps over the lazy dog near the quiet river bank."
+GOOD_ENOUGH = 0.95
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="SERVE_MODEL to tune (default: the environment's)")
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--seconds", type=float, default=3, help="measured seconds per batch size")
+    args = p.parse_args()
+    env = dict(os.environ)
+    if args.model:
+        env["SERVE_MODEL"] = args.model
+    settings = Settings.from_env(env)
+    cores = len(os.sched_getaffinity(0))
+    item = SENTENCE if settings.model == "minilm" else [0.5] * settings.mlp_width
+    sizes = [1 << i for i in range(args.max_batch.bit_length()) if 1 << i <= args.max_batch]
+    curves: dict[str, list[Measurement]] = {}
+    print(f"model {settings.model}, {cores} usable cores, batch sizes {sizes}\n")
+    print("| split (workers x torch threads) | batch | items/s | batch ms (median) |")
+    print("| --- | ---: | ---: | ---: |")
+    for split in splits_for(cores):
+        curves[str(split)] = measure(settings, split, sizes, item, seconds=args.seconds)
+        for m in curves[str(split)]:
+            print(f"| {split} | {m.batch_size} | {m.items_per_s:.0f} | {m.batch_ms_median:.1f} |", flush=True)
+    best_split, best_curve = max(curves.items(), key=lambda kv: max(m.items_per_s for m in kv[1]))
+    peak = max(m.items_per_s for m in best_curve)
+    batch = next(m for m in best_curve if m.items_per_s >= GOOD_ENOUGH * peak)
+    workers, threads = best_split.split("x")
+    print()
+    for name, curve in curves.items():
+        top = max(curve, key=lambda m: m.items_per_s)
+        print(f"split {name}: peak {top.items_per_s:.0f} items/s at batch {top.batch_size}")
+    print(f"\nRecommended for {settings.model} on this machine:")
+    print(f"  SERVE_WORKERS={workers} SERVE_TORCH_THREADS={threads}    # {peak:.0f} items/s peak, best split")
+    print(
+        f"  SERVE_MAX_BATCH_SIZE={batch.batch_size}    # {batch.items_per_s:.0f} items/s, "
+        f">= {GOOD_ENOUGH:.0%} of the peak at {batch.batch_ms_median:.1f} ms per batch"
+    )
+
+
+if __name__ == "__main__":
+    main()

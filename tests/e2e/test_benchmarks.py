@@ -1,0 +1,124 @@
+"""The load-testing tools run against a real service and produce what they promise."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from service.offline import splits_for
+from tests.support.server import ROOT, Server, gunicorn
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SMALL_MLP = {"SERVE_MODEL": "mlp", "SERVE_MLP_WIDTH": "16", "SERVE_MLP_DEPTH": "2", "SERVE_WORKERS": "1"}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    with gunicorn(SMALL_MLP) as s:
+        yield s
+
+
+def test_locust_runs_headless_against_both_routes(server: Server, tmp_path: Path) -> None:
+    prefix = tmp_path / "run"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "locust",
+            "-f",
+            "locustfile.py",
+            "--host",
+            server.url,
+            "--headless",
+            "-u",
+            "4",
+            "-r",
+            "4",
+            "-t",
+            "4s",
+            "--wait-min",
+            "0",
+            "--wait-max",
+            "0.05",
+            "--csv",
+            str(prefix),
+            "--only-summary",
+            "NaiveUser",
+            "BatchedUser",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(f"{prefix}_stats.csv") as f:
+        stats = {row["Name"]: row for row in csv.DictReader(f)}
+    for route in ("/predict/naive", "/predict/batched"):
+        assert int(stats[route]["Request Count"]) > 0
+        assert int(stats[route]["Failure Count"]) == 0
+    assert int(stats["Aggregated"]["Failure Count"]) == 0
+
+
+def test_bench_script_starts_the_service_and_writes_its_table_data_and_plots(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")} | SMALL_MLP
+    result = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench.py",
+            "--concurrency",
+            "1,4",
+            "--seconds",
+            "1",
+            "--warmup",
+            "0",
+            "--offline-seconds",
+            "0.5",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = (out / "results.md").read_text()
+    assert "| naive | 4 |" in table and "| batched | 1 |" in table
+    data = json.loads((out / "results.json").read_text())
+    assert {(r["route"], r["clients"]) for r in data["rows"]} == {
+        ("naive", 1),
+        ("batched", 1),
+        ("naive", 4),
+        ("batched", 4),
+    }
+    assert all(r["errors"] == 0 and r["rps"] > 0 for r in data["rows"])
+    assert data["offline"]["items_per_s"] > 0
+    cores = len(os.sched_getaffinity(0))
+    assert {s["split"] for s in data["offline"]["splits"]} == {str(s) for s in splits_for(cores)}
+    with (out / "results.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == 4
+    for plot in ("throughput.png", "latency.png"):
+        assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_script_refuses_non_loopback_targets(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "scripts/bench.py", "--url", "http://10.0.0.1:8000", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "only loopback" in result.stderr
