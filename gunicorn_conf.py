@@ -27,7 +27,15 @@ threads = settings.threads or settings.max_batch_size + 8
 preload_app = False
 timeout = 60
 graceful_timeout = 30
-keepalive = 5
+# Idle seconds a keep-alive connection stays open. Behind nginx (deploy/nginx.conf)
+# this must outlast nginx's upstream keepalive_timeout (60 s there): if gunicorn
+# closes an idle connection first, nginx can send the next request on it at the
+# moment the close is in flight, and that client sees a 502. With gunicorn holding
+# on longer, nginx always retires its idle connections first. Idle connections
+# cost gthread and gevent workers a socket, not a thread.
+keepalive = 75
+# Proxies whose X-Forwarded-Proto (and friends) gunicorn believes: nginx's address.
+forwarded_allow_ips = ",".join(settings.forwarded_allow_ips)
 # The control socket's default path is one per user, which several services on
 # one host (or a test suite) would fight over; nothing here uses it.
 control_socket_disable = True

@@ -8,6 +8,7 @@ one try.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -86,6 +87,25 @@ def _bind(name: str, raw: str) -> str:
     return value
 
 
+def _networks(name: str, raw: str) -> tuple[str, ...]:
+    """``*``, or a comma-separated list of IP addresses and CIDR networks (gunicorn's syntax)."""
+    parts = tuple(part.strip() for part in raw.split(",") if part.strip())
+    if parts == ("*",):
+        return parts
+    for part in parts:
+        try:
+            # strict, as gunicorn parses it: 10.0.0.1/8 has host bits set and is refused.
+            ipaddress.ip_network(part)
+        except ValueError:
+            raise SettingsError(
+                f"{name} must be * or a comma-separated list of IP addresses and networks "
+                f"such as 127.0.0.1,10.0.0.0/8, got {raw!r} ({part!r} is neither)"
+            ) from None
+    if not parts:
+        raise SettingsError(f"{name} must not be empty")
+    return parts
+
+
 @dataclass(frozen=True)
 class Settings:
     """The service's configuration; ``Settings.from_env()`` is the only reader."""
@@ -103,6 +123,7 @@ class Settings:
     mlp_seed: int = 0
     item_shape: tuple[int, ...] | None = None
     bind: str = "127.0.0.1:8000"
+    forwarded_allow_ips: tuple[str, ...] = ("127.0.0.1", "::1")
     workers: int | None = None
     threads: int | None = None
     torch_threads: int | None = None
@@ -146,6 +167,7 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "mlp_seed": ("SERVE_MLP_SEED", _integer(0, 2**31 - 1)),
     "item_shape": ("SERVE_ITEM_SHAPE", _shape),
     "bind": ("SERVE_BIND", _bind),
+    "forwarded_allow_ips": ("SERVE_FORWARDED_ALLOW_IPS", _networks),
     "workers": ("SERVE_WORKERS", _integer(1, 1024)),
     "threads": ("SERVE_THREADS", _integer(1, 10_000)),
     "torch_threads": ("SERVE_TORCH_THREADS", _integer(1, 1024)),

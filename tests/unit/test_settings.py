@@ -61,3 +61,16 @@ def test_settings_are_immutable() -> None:
     settings = Settings()
     with pytest.raises(AttributeError):
         settings.model = "mlp"  # type: ignore[misc]
+
+
+def test_forwarded_allow_ips_takes_addresses_networks_or_a_star() -> None:
+    assert Settings().forwarded_allow_ips == ("127.0.0.1", "::1")
+    parsed = Settings.from_env({"SERVE_FORWARDED_ALLOW_IPS": " 10.0.0.0/8, 192.168.1.7 ,::1"})
+    assert parsed.forwarded_allow_ips == ("10.0.0.0/8", "192.168.1.7", "::1")
+    assert Settings.from_env({"SERVE_FORWARDED_ALLOW_IPS": "*"}).forwarded_allow_ips == ("*",)
+
+
+@pytest.mark.parametrize("value", ["nginx.local", "10.0.0.1/8", "*,10.0.0.1", ","])
+def test_forwarded_allow_ips_refuses_what_gunicorn_cannot_parse(value: str) -> None:
+    with pytest.raises(SettingsError, match=r"^SERVE_FORWARDED_ALLOW_IPS must"):
+        Settings.from_env({"SERVE_FORWARDED_ALLOW_IPS": value})
