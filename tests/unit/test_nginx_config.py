@@ -1,0 +1,107 @@
+"""The nginx config renderer, and the gunicorn settings that must agree with it."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from scripts.render_nginx import (
+    PROXY_TIMEOUT_MARGIN_S,
+    TEMPLATE,
+    Options,
+    gunicorn_keepalive,
+    render,
+)
+from service.errors import SettingsError
+from service.settings import Settings
+from tests.support.server import ROOT
+
+KEEPALIVE = gunicorn_keepalive()
+
+
+def rendered(options: Options | None = None, settings: Settings | None = None) -> str:
+    options = options or Options(prefix="/srv/nginx")
+    return render(TEMPLATE.read_text(), options, settings or Settings(), KEEPALIVE)
+
+
+def directive(text: str, name: str) -> list[str]:
+    """The arguments of every ``name ...;`` directive in ``text``."""
+    return re.findall(rf"^[ \t]*{name}[ \t]+([^;\n]*);", text, flags=re.MULTILINE)
+
+
+def test_every_placeholder_is_filled() -> None:
+    assert "{{" not in rendered()
+
+
+def test_limits_follow_the_services_settings() -> None:
+    text = rendered(settings=Settings(max_body_bytes=2_000_000, request_timeout_ms=12_500))
+    assert directive(text, "client_max_body_size") == ["2000000"]
+    # nginx waits longer than the service's own deadline, so the service's 504 arrives first.
+    assert directive(text, "proxy_read_timeout") == [f"{13 + PROXY_TIMEOUT_MARGIN_S}s"]
+    assert directive(text, "proxy_send_timeout") == [f"{13 + PROXY_TIMEOUT_MARGIN_S}s"]
+    assert directive(text, "proxy_next_upstream_timeout") == ["13s"]
+    assert "over 2000000 bytes (SERVE_MAX_BODY_BYTES)" in text
+
+
+def test_several_backends_share_load_with_passive_health_and_bounded_retries() -> None:
+    backends = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "unix:/run/serve.sock")
+    text = rendered(Options(prefix="/srv/nginx", backends=backends, max_fails=2, fail_timeout_s=7))
+    assert directive(text, "server") == [f"{b} max_fails=2 fail_timeout=7s" for b in backends]
+    assert re.search(r"^\s*least_conn;", text, flags=re.MULTILINE)
+    assert directive(text, "proxy_next_upstream") == ["error timeout http_502 http_503 non_idempotent"]
+    assert directive(text, "proxy_next_upstream_tries") == ["3"]
+    two = rendered(Options(prefix="/p", backends=backends[:2]))
+    assert directive(two, "proxy_next_upstream_tries") == ["2"]
+
+
+def test_upstream_keepalive_is_http11_and_idles_out_before_gunicorn_does() -> None:
+    text = rendered()
+    assert directive(text, "proxy_http_version") == ["1.1"]
+    assert directive(text, "proxy_set_header Connection") == ['""']
+    (idle,) = directive(text, "keepalive_timeout")
+    assert int(idle.removesuffix("s")) < KEEPALIVE
+
+
+def test_forwarding_headers_request_id_and_error_pages() -> None:
+    text = rendered(Options(prefix="/p", metrics_allow=("10.9.0.0/16", "127.0.0.1")))
+    assert directive(text, "proxy_set_header X-Forwarded-For") == ["$proxy_add_x_forwarded_for"]
+    assert directive(text, "proxy_set_header X-Forwarded-Proto") == ["$scheme"]
+    assert directive(text, "proxy_set_header X-Request-ID") == ["$serve_request_id"]
+    assert directive(text, "server_tokens") == ["off"]
+    assert directive(text, "allow") == ["10.9.0.0/16", "127.0.0.1"]
+    for status in (413, 502, 503, 504):
+        assert re.search(rf"error_page {status} @\w+;", text)
+        assert re.search(rf"return {status} '\{{\"error\":", text)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (Options(prefix="/p", backends=()), "at least one --backend"),
+        (Options(prefix="/p", backends=("10.0.0.1",)), "--backend must be HOST:PORT or unix:PATH"),
+        (Options(prefix="/p", backends=("a b:80",)), "--backend must be"),
+        (Options(prefix="/p", listen="127.0.0.1:http"), "--listen must be PORT, HOST:PORT or unix:PATH"),
+        (Options(prefix="/p", metrics_allow=("monitoring",)), "--metrics-allow must be an IP address"),
+        (Options(prefix="/p; evil"), "--prefix must not be empty or hold spaces"),
+        (Options(prefix="/p", upstream_keepalive_timeout_s=KEEPALIVE), "below gunicorn's keepalive"),
+        (Options(prefix="/p", max_fails=0), "--max-fails must be a positive integer, got 0"),
+    ],
+)
+def test_bad_options_are_refused_with_a_reason(options: Options, message: str) -> None:
+    with pytest.raises(SettingsError, match=re.escape(message)):
+        rendered(options)
+
+
+def test_gunicorn_conf_trusts_the_configured_proxies() -> None:
+    # gunicorn_conf.py is the master's config: load it in a fresh process, as gunicorn does.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")}
+    env["SERVE_FORWARDED_ALLOW_IPS"] = "10.1.0.0/16,10.2.0.5"
+    probe = "import gunicorn_conf as c; print(c.forwarded_allow_ips, c.keepalive)"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["10.1.0.0/16,10.2.0.5", str(KEEPALIVE)]
