@@ -110,7 +110,7 @@ def render(template: str, options: Options, settings: Settings, keepalive_s: int
     def fill(match: re.Match[str]) -> str:
         name = match.group(1)
         if name not in values:
-            raise KeyError(f"the template has a placeholder {{{{{name}}}}} that the renderer does not know")
+            raise ValueError(f"the template has a placeholder {{{{{name}}}}} that the renderer does not know")
         return values[name]
 
     return _PLACEHOLDER.sub(fill, template)
@@ -153,7 +153,7 @@ def _check(options: Options, keepalive_s: int) -> None:
         ("--max-fails", options.max_fails),
         ("--fail-timeout", options.fail_timeout_s),
         ("--connect-timeout", options.connect_timeout_s),
-        ("--next-upstream-tries", options.next_upstream_tries or 1),
+        ("--next-upstream-tries", 1 if options.next_upstream_tries is None else options.next_upstream_tries),
     ):
         if number < 1:
             raise SettingsError(f"{name} must be a positive integer, got {number}")

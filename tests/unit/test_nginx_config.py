@@ -89,6 +89,7 @@ def test_forwarding_headers_request_id_and_error_pages() -> None:
         (Options(prefix="/p; evil"), "--prefix must not be empty or hold spaces"),
         (Options(prefix="/p", upstream_keepalive_timeout_s=KEEPALIVE), "below gunicorn's keepalive"),
         (Options(prefix="/p", max_fails=0), "--max-fails must be a positive integer, got 0"),
+        (Options(prefix="/p", next_upstream_tries=0), "--next-upstream-tries must be a positive integer"),
     ],
 )
 def test_bad_options_are_refused_with_a_reason(options: Options, message: str) -> None:
