@@ -19,6 +19,7 @@ from service.errors import SettingsError
 WORKER_CLASSES = ("gthread", "gevent", "sync")
 LOG_FORMATS = ("text", "json")
 BATCH_GATHER_POLICIES = ("adaptive", "eager")
+DEVICE_MODES = ("auto", "cpu", "cuda")
 
 
 def _integer(lo: int, hi: int) -> Callable[[str, str], int]:
@@ -77,6 +78,33 @@ def _shape(name: str, raw: str) -> tuple[int, ...]:
     return dims
 
 
+def _devices(name: str, raw: str) -> str:
+    value = raw.strip().lower().replace(" ", "")
+    if value in DEVICE_MODES:
+        return value
+    indices: list[int] = []
+    for part in value.split(","):
+        kind, sep, index = part.partition(":")
+        if kind != "cuda" or not sep or not index.isdigit():
+            indices = []
+            break
+        indices.append(int(index))
+    if not indices or len(set(indices)) != len(indices):
+        raise SettingsError(
+            f"{name} must be one of {', '.join(DEVICE_MODES)}, or a list of distinct GPUs "
+            f"such as cuda:0,cuda:2, got {raw!r}"
+        )
+    return ",".join(f"cuda:{i}" for i in indices)
+
+
+def _device(name: str, raw: str) -> str:
+    value = raw.strip().lower()
+    kind, sep, index = value.partition(":")
+    if value != "cpu" and not (kind == "cuda" and sep and index.isdigit()):
+        raise SettingsError(f"{name} must be cpu or cuda:N, got {raw!r}")
+    return value
+
+
 def _bind(name: str, raw: str) -> str:
     value = raw.strip()
     if value.startswith("unix:"):
@@ -128,8 +156,18 @@ class Settings:
     threads: int | None = None
     torch_threads: int | None = None
     worker_class: str = "gthread"
+    worker_connections: int | None = None
+    devices: str = "auto"
+    workers_per_device: int | None = None
+    gpu_memory_per_worker_mb: int | None = None
+    gpu_memory_fraction: float | None = None
+    gpu_context_mb: int = 1024
     log_format: str = "text"
     api_token: str | None = None
+    # Set by gunicorn_conf.py in each worker from its slot in the plan; unset elsewhere.
+    worker_slot: int | None = None
+    worker_device: str | None = None
+    worker_gpu_memory_fraction: float | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -147,6 +185,13 @@ class Settings:
         # Four full batches: enough to keep the model busy while the next
         # batches gather, few enough that a queued request waits a bounded time.
         return self.max_queue if self.max_queue is not None else 4 * self.max_batch_size
+
+    @property
+    def gpu_indices(self) -> tuple[int, ...] | None:
+        """The GPUs ``SERVE_DEVICES`` lists, or None for auto, cpu and cuda."""
+        if self.devices in DEVICE_MODES:
+            return None
+        return tuple(int(part.partition(":")[2]) for part in self.devices.split(","))
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -172,6 +217,25 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "threads": ("SERVE_THREADS", _integer(1, 10_000)),
     "torch_threads": ("SERVE_TORCH_THREADS", _integer(1, 1024)),
     "worker_class": ("SERVE_WORKER_CLASS", _choice(*WORKER_CLASSES)),
+    "worker_connections": ("SERVE_WORKER_CONNECTIONS", _integer(1, 100_000)),
+    "devices": ("SERVE_DEVICES", _devices),
+    "workers_per_device": ("SERVE_WORKERS_PER_DEVICE", _integer(1, 256)),
+    "gpu_memory_per_worker_mb": ("SERVE_GPU_MEMORY_PER_WORKER_MB", _integer(1, 16_777_216)),
+    "gpu_memory_fraction": ("SERVE_GPU_MEMORY_FRACTION", _number(0.01, 1)),
+    "gpu_context_mb": ("SERVE_GPU_CONTEXT_MB", _integer(0, 65_536)),
     "log_format": ("SERVE_LOG_FORMAT", _choice(*LOG_FORMATS)),
     "api_token": ("SERVE_API_TOKEN", _text),
+    "worker_slot": ("SERVE_WORKER_SLOT", _integer(0, 100_000)),
+    "worker_device": ("SERVE_WORKER_DEVICE", _device),
+    "worker_gpu_memory_fraction": ("SERVE_WORKER_GPU_MEMORY_FRACTION", _number(0.001, 1)),
 }
+
+
+def cuda_visible_devices(environ: Mapping[str, str] | None = None) -> str | None:
+    """CUDA's own ``CUDA_VISIBLE_DEVICES``, which limits the GPUs the service may plan on.
+
+    Read here because this module is the one reader of the environment. Unlike a
+    ``SERVE_*`` variable, an empty value means something: no GPU at all.
+    """
+    env = os.environ if environ is None else environ
+    return env.get("CUDA_VISIBLE_DEVICES")

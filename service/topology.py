@@ -1,0 +1,372 @@
+"""The worker topology: gunicorn workers, their devices, threads and GPU memory shares.
+
+``plan(settings, inventory)`` is pure: the same settings and machine always give
+the same plan, so it is unit-tested on fake machines and shown without starting
+anything by ``python -m service.topology``. ``gunicorn_conf.py`` only applies it.
+Each rule's reason is in the README ("Worker topology") and in the plan's table.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+from service.errors import SettingsError
+from service.inventory import Gpu, Inventory, read_inventory
+from service.settings import Settings, cuda_visible_devices
+
+# Requests a worker must still take while a full batch waits: /healthz, /readyz,
+# /metrics and /info must answer even then.
+PROBE_HEADROOM = 8
+# A worker must be up within this: importing torch and building the app. The
+# model loads afterwards in a thread of its own, outside the heartbeat.
+BOOT_TIMEOUT_S = 60
+# Time to write a response after its request's deadline.
+ANSWER_MARGIN_S = 5
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    slot: int
+    device: str  # "cpu" or "cuda:N", N as nvidia-smi numbers the GPU
+    gpu_uuid: str | None
+    torch_threads: int
+    gpu_memory_fraction: float | None
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    device: str
+    gpu: Gpu
+    workers: int
+    memory_fraction: float
+
+    @property
+    def allocator_mb(self) -> int:
+        """What each worker's torch allocator may hold on this device."""
+        return int(self.memory_fraction * self.gpu.total_mb)
+
+
+@dataclass(frozen=True)
+class Decision:
+    what: str
+    value: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    worker_class: str
+    workers: tuple[WorkerPlan, ...]
+    devices: tuple[DevicePlan, ...]  # empty for a CPU plan
+    threads: int  # request threads per gthread worker (1 for sync)
+    worker_connections: int | None  # gevent's concurrent connections per worker
+    timeout_s: int
+    graceful_timeout_s: int
+    inventory: Inventory
+    decisions: tuple[Decision, ...]
+    warnings: tuple[str, ...]
+
+    def worker(self, slot: int) -> WorkerPlan:
+        """The plan for ``slot``. Slots past the planned count (gunicorn's TTIN signal,
+        or a reload while old workers drain) reuse the planned slots' devices in turn."""
+        return self.workers[slot % len(self.workers)]
+
+    def worker_env(self, slot: int) -> dict[str, str | None]:
+        """Environment for the worker in ``slot``, set before it imports torch; None unsets."""
+        worker = self.worker(slot)
+        threads = str(worker.torch_threads)
+        fraction = worker.gpu_memory_fraction
+        return {
+            "SERVE_WORKER_SLOT": str(slot),
+            "SERVE_WORKER_DEVICE": worker.device,
+            "SERVE_WORKER_GPU_MEMORY_FRACTION": None if fraction is None else repr(fraction),
+            "SERVE_TORCH_THREADS": threads,
+            # OpenMP and BLAS pools outside torch (numpy) would otherwise size to every core.
+            "OMP_NUM_THREADS": threads,
+            "MKL_NUM_THREADS": threads,
+            # One GPU per worker, named by UUID so no device-order setting can change it;
+            # a CPU worker sees none, so nothing in it creates a CUDA context by accident.
+            "CUDA_VISIBLE_DEVICES": worker.gpu_uuid or "",
+        }
+
+    def table(self) -> str:
+        from service.topology_table import render
+
+        return render(self)
+
+
+def plan(settings: Settings, inventory: Inventory) -> Plan:
+    decisions: list[Decision] = []
+    warnings: list[str] = []
+    cores = inventory.usable_cores
+    gpus = _chosen_gpus(settings, inventory, decisions)
+    if gpus:
+        workers, devices = _gpu_workers(settings, gpus, cores, decisions)
+    else:
+        _warn_unused_gpu_settings(settings, warnings)
+        workers, devices = _cpu_workers(settings, cores, decisions), ()
+    busy = sum(w.torch_threads for w in workers)
+    if busy > cores:
+        warnings.append(
+            f"{len(workers)} workers run {busy} torch threads on {cores} usable cores; they will "
+            "contend for the cores (lower SERVE_WORKERS or SERVE_TORCH_THREADS)"
+        )
+    threads, connections = _concurrency(settings, decisions, warnings)
+    timeout_s, graceful_s = _timeouts(settings, decisions)
+    return Plan(
+        worker_class=settings.worker_class,
+        workers=workers,
+        devices=devices,
+        threads=threads,
+        worker_connections=connections,
+        timeout_s=timeout_s,
+        graceful_timeout_s=graceful_s,
+        inventory=inventory,
+        decisions=tuple(decisions),
+        warnings=tuple(warnings),
+    )
+
+
+def _chosen_gpus(settings: Settings, inventory: Inventory, decisions: list[Decision]) -> tuple[Gpu, ...]:
+    mode, gpus = settings.devices, inventory.gpus
+    why_none = inventory.gpu_note or "no GPU"
+    if mode == "cpu":
+        decisions.append(Decision("devices", "cpu", "SERVE_DEVICES=cpu"))
+        return ()
+    if mode == "auto":
+        value = ",".join(f"cuda:{g.index}" for g in gpus) or "cpu"
+        why = "every GPU NVML lists" if gpus else why_none
+        decisions.append(Decision("devices", value, f"SERVE_DEVICES=auto: {why}"))
+        return gpus
+    if not gpus:
+        raise SettingsError(f"SERVE_DEVICES={mode} asks for GPUs, but none is usable: {why_none}")
+    wanted = settings.gpu_indices
+    if wanted is None:
+        chosen = gpus
+    else:
+        available = ", ".join(f"cuda:{g.index}" for g in gpus)
+        missing = [i for i in wanted if i >= len(gpus)]
+        if missing:
+            raise SettingsError(
+                f"SERVE_DEVICES={mode} names cuda:{missing[0]}, but the GPUs here are {available}"
+            )
+        chosen = tuple(gpus[i] for i in wanted)
+    decisions.append(
+        Decision("devices", ",".join(f"cuda:{g.index}" for g in chosen), f"SERVE_DEVICES={mode}")
+    )
+    return chosen
+
+
+def _warn_unused_gpu_settings(settings: Settings, warnings: list[str]) -> None:
+    unused = {
+        "SERVE_WORKERS_PER_DEVICE": settings.workers_per_device,
+        "SERVE_GPU_MEMORY_PER_WORKER_MB": settings.gpu_memory_per_worker_mb,
+        "SERVE_GPU_MEMORY_FRACTION": settings.gpu_memory_fraction,
+    }
+    for name, value in unused.items():
+        if value is not None:
+            warnings.append(f"{name}={value} is ignored: this plan uses no GPU")
+
+
+def _cpu_workers(settings: Settings, cores: int, decisions: list[Decision]) -> tuple[WorkerPlan, ...]:
+    match settings.workers, settings.torch_threads:
+        case None, None:
+            workers, threads = cores, 1
+            why_workers = "one per usable core: processes scale better than torch threads (README)"
+            why_threads = "workers x threads = usable cores"
+        case None, int(threads):
+            workers = max(1, cores // threads)
+            why_workers = f"usable cores {cores} // SERVE_TORCH_THREADS, at least 1"
+            why_threads = f"SERVE_TORCH_THREADS={threads}"
+        case int(workers), None:
+            threads = max(1, cores // workers)
+            why_workers = f"SERVE_WORKERS={workers}"
+            why_threads = f"usable cores {cores} // SERVE_WORKERS, at least 1"
+        case int(workers), int(threads):
+            why_workers, why_threads = f"SERVE_WORKERS={workers}", f"SERVE_TORCH_THREADS={threads}"
+    decisions.append(Decision("workers", str(workers), why_workers))
+    decisions.append(Decision("torch threads per worker", str(threads), why_threads + "; inter-op threads 1"))
+    return tuple(WorkerPlan(slot, "cpu", None, threads, None) for slot in range(workers))
+
+
+def _gpu_workers(
+    settings: Settings, gpus: tuple[Gpu, ...], cores: int, decisions: list[Decision]
+) -> tuple[tuple[WorkerPlan, ...], tuple[DevicePlan, ...]]:
+    counts, source = _gpu_counts(settings, gpus)
+    devices = tuple(
+        DevicePlan(f"cuda:{gpu.index}", gpu, count, _fraction(settings, gpu, count, source))
+        for gpu, count in zip(gpus, counts, strict=True)
+        if count > 0
+    )
+    total = sum(d.workers for d in devices)
+    decisions.append(Decision("workers", str(total), source))
+    if settings.gpu_memory_fraction is not None:
+        why_fraction = "SERVE_GPU_MEMORY_FRACTION"
+    else:
+        why_fraction = (
+            f"(free MiB / workers on it - SERVE_GPU_CONTEXT_MB={settings.gpu_context_mb}) / total MiB"
+        )
+    decisions.append(Decision("GPU memory fraction", "per device, above", why_fraction))
+    threads = settings.torch_threads or max(1, cores // total)
+    if settings.torch_threads:
+        why_threads = f"SERVE_TORCH_THREADS={threads}"
+    else:
+        why_threads = f"usable cores {cores} // {total} workers, at least 1"
+    decisions.append(Decision("torch threads per worker", str(threads), why_threads + "; inter-op threads 1"))
+    workers = []
+    # Interleaved, so that the first workers to start (or a partial restart) spread over the GPUs.
+    for slot, position in enumerate(_interleave([d.workers for d in devices])):
+        device = devices[position]
+        workers.append(WorkerPlan(slot, device.device, device.gpu.uuid, threads, device.memory_fraction))
+    return tuple(workers), devices
+
+
+def _gpu_counts(settings: Settings, gpus: tuple[Gpu, ...]) -> tuple[list[int], str]:
+    per_device, per_worker_mb = settings.workers_per_device, settings.gpu_memory_per_worker_mb
+    if per_device is not None and per_worker_mb is not None:
+        raise SettingsError(
+            "SERVE_WORKERS_PER_DEVICE and SERVE_GPU_MEMORY_PER_WORKER_MB both set the workers per GPU; "
+            "set one of them"
+        )
+    if settings.workers is not None and (per_device is not None or per_worker_mb is not None):
+        raise SettingsError(
+            f"SERVE_WORKERS={settings.workers} cannot be combined with SERVE_WORKERS_PER_DEVICE or "
+            "SERVE_GPU_MEMORY_PER_WORKER_MB on GPUs; set one of them"
+        )
+    if per_device is not None:
+        return [per_device] * len(gpus), f"SERVE_WORKERS_PER_DEVICE={per_device} on each GPU"
+    if per_worker_mb is not None:
+        need = per_worker_mb + settings.gpu_context_mb
+        counts = [gpu.free_mb // need for gpu in gpus]
+        for gpu, count in zip(gpus, counts, strict=True):
+            if count == 0:
+                raise SettingsError(
+                    f"SERVE_GPU_MEMORY_PER_WORKER_MB={per_worker_mb} fits no worker on cuda:{gpu.index} "
+                    f"({gpu.name}, {gpu.free_mb} MiB free): each worker also needs "
+                    f"SERVE_GPU_CONTEXT_MB={settings.gpu_context_mb} for its CUDA context"
+                )
+        return (
+            counts,
+            f"free MiB // (SERVE_GPU_MEMORY_PER_WORKER_MB={per_worker_mb} "
+            f"+ {settings.gpu_context_mb} context)",
+        )
+    if settings.workers is not None:
+        share, extra = divmod(settings.workers, len(gpus))
+        counts = [share + (i < extra) for i in range(len(gpus))]
+        return counts, f"SERVE_WORKERS={settings.workers}, spread over the GPUs"
+    return [1] * len(gpus), "one per GPU: a GPU runs one process's kernels at a time"
+
+
+def _fraction(settings: Settings, gpu: Gpu, count: int, source: str) -> float:
+    device = f"cuda:{gpu.index}"
+    override = settings.gpu_memory_fraction
+    if override is not None:
+        if override * count > 1 + 1e-9:
+            raise SettingsError(
+                f"SERVE_GPU_MEMORY_FRACTION={override:g} for {count} workers on {device} adds up to "
+                f"{override * count:.2f} of its memory; it may add up to 1 at most"
+            )
+        return override
+    share_mb = gpu.free_mb / count
+    # Rounded down: a share rounded up could tip the device's sum over its memory.
+    fraction = math.floor((share_mb - settings.gpu_context_mb) / gpu.total_mb * 1000) / 1000
+    if fraction <= 0:
+        raise SettingsError(
+            f"{count} workers on {device} ({gpu.free_mb} MiB free) leave each {share_mb:.0f} MiB, "
+            f"no more than the SERVE_GPU_CONTEXT_MB={settings.gpu_context_mb} its CUDA context takes "
+            f"(workers: {source})"
+        )
+    return fraction
+
+
+def _interleave(counts: list[int]) -> list[int]:
+    """Device positions in slot order: 2, 1 -> 0, 1, 0."""
+    remaining, order = list(counts), []
+    while any(remaining):
+        for position, left in enumerate(remaining):
+            if left:
+                order.append(position)
+                remaining[position] -= 1
+    return order
+
+
+def _concurrency(
+    settings: Settings, decisions: list[Decision], warnings: list[str]
+) -> tuple[int, int | None]:
+    full = settings.max_batch_size + PROBE_HEADROOM
+    if settings.worker_class == "sync":
+        warnings.append(
+            "SERVE_WORKER_CLASS=sync: each worker takes one request at a time, so the batched route "
+            "never sees more than one request per batch"
+        )
+        decisions.append(Decision("request threads per worker", "1", "sync runs one request at a time"))
+        return 1, None
+    if settings.worker_class == "gevent":
+        # A greenlet per open connection, idle keep-alive ones included, and greenlets are
+        # cheap: admit a running batch plus a full queue, so an overloaded worker answers
+        # its own 503 instead of leaving connections unaccepted.
+        connections = (
+            settings.worker_connections or settings.max_batch_size + settings.queue_limit + PROBE_HEADROOM
+        )
+        why = (
+            "SERVE_WORKER_CONNECTIONS"
+            if settings.worker_connections
+            else f"max batch size {settings.max_batch_size} + max queue {settings.queue_limit} + 8 for probes"
+        )
+        decisions.append(Decision("connections per worker", str(connections), why))
+        if connections < full:
+            warnings.append(
+                f"SERVE_WORKER_CONNECTIONS={connections} is below max batch size + {PROBE_HEADROOM}: batches "
+                "hold fewer requests and probes may wait behind them"
+            )
+        return 1, connections
+    threads = settings.threads or full
+    why = (
+        "SERVE_THREADS"
+        if settings.threads
+        else f"max batch size {settings.max_batch_size} + 8 for the probes"
+    )
+    decisions.append(Decision("request threads per worker", str(threads), why))
+    if threads < full:
+        warnings.append(
+            f"SERVE_THREADS={threads} is below max batch size + {PROBE_HEADROOM}: a batch gathers at most "
+            f"{threads} requests, and probes may wait behind them"
+        )
+    return threads, None
+
+
+def _timeouts(settings: Settings, decisions: list[Decision]) -> tuple[int, int]:
+    request_s = math.ceil(settings.request_timeout_ms / 1000)
+    if settings.worker_class == "sync":
+        # A sync worker's heartbeat stops while it runs a request, so the longest request
+        # (a batched one waits at most its deadline) must fit in the timeout.
+        timeout = max(BOOT_TIMEOUT_S, request_s + ANSWER_MARGIN_S)
+        why = "covers boot and the longest request (SERVE_REQUEST_TIMEOUT_MS + 5 s)"
+    else:
+        timeout = BOOT_TIMEOUT_S
+        why = "covers boot; model loading and batches run outside the worker's heartbeat"
+    decisions.append(Decision("timeout", f"{timeout} s", why))
+    graceful = request_s + ANSWER_MARGIN_S
+    decisions.append(
+        Decision(
+            "graceful timeout", f"{graceful} s", "a request in flight ends by its deadline + 5 s to answer"
+        )
+    )
+    return timeout, graceful
+
+
+def main() -> int:
+    """``python -m service.topology``: print the plan for this machine and settings."""
+    try:
+        topology = plan(Settings.from_env(), read_inventory(cuda_visible_devices()))
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(topology.table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

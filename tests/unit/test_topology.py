@@ -1,0 +1,293 @@
+"""The topology planner on fake machines: pure, so no machine is needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.errors import SettingsError
+from service.inventory import Gpu, Inventory
+from service.settings import Settings
+from service.topology import Plan, plan
+
+H100_MB, RTX4090_MB = 81559, 24564  # what NVML reports as their total memory
+
+
+def gpu(index: int, total_mb: int, free_mb: int | None = None, name: str = "NVIDIA H100 80GB HBM3") -> Gpu:
+    free = total_mb - 500 if free_mb is None else free_mb
+    return Gpu(index=index, uuid=f"GPU-{index:08d}-fake", name=name, total_mb=total_mb, free_mb=free)
+
+
+TWO_CORES = Inventory(affinity_cores=2, gpu_note="NVML is unavailable: no driver")
+QUOTA_1_5_ON_16 = Inventory(affinity_cores=16, cpu_quota=1.5)
+FOUR_H100 = Inventory(affinity_cores=16, gpus=tuple(gpu(i, H100_MB) for i in range(4)))
+MIXED = Inventory(
+    affinity_cores=16,
+    gpus=(gpu(0, RTX4090_MB, name="NVIDIA GeForce RTX 4090"), gpu(1, H100_MB)),
+)
+
+
+def env_plan(inventory: Inventory, **variables: str) -> Plan:
+    return plan(Settings.from_env(variables), inventory)
+
+
+def devices(p: Plan) -> list[str]:
+    return [w.device for w in p.workers]
+
+
+# -- CPU --------------------------------------------------------------------------
+
+
+def test_two_cores_without_a_gpu_run_one_single_threaded_worker_per_core() -> None:
+    p = env_plan(TWO_CORES)
+    assert devices(p) == ["cpu", "cpu"]
+    assert [w.torch_threads for w in p.workers] == [1, 1]
+    assert [w.gpu_memory_fraction for w in p.workers] == [None, None]
+    assert p.devices == ()
+    assert p.threads == 64 + 8
+    assert p.worker_connections is None
+    assert (p.timeout_s, p.graceful_timeout_s) == (60, 35)
+    assert p.warnings == ()
+    env = p.worker_env(1)
+    assert env["SERVE_WORKER_SLOT"] == "1"
+    assert env["SERVE_WORKER_DEVICE"] == "cpu"
+    assert env["SERVE_TORCH_THREADS"] == env["OMP_NUM_THREADS"] == "1"
+    assert env["SERVE_WORKER_GPU_MEMORY_FRACTION"] is None
+    assert env["CUDA_VISIBLE_DEVICES"] == ""  # a CPU worker never sees a GPU
+
+
+@pytest.mark.parametrize(
+    ("variables", "workers", "threads"),
+    [
+        ({"SERVE_WORKERS": "1"}, 1, 2),
+        ({"SERVE_TORCH_THREADS": "2"}, 1, 2),
+        ({"SERVE_WORKERS": "2", "SERVE_TORCH_THREADS": "1"}, 2, 1),
+        ({"SERVE_TORCH_THREADS": "8"}, 1, 8),
+    ],
+)
+def test_cpu_overrides_keep_workers_times_threads_within_the_cores(
+    variables: dict[str, str], workers: int, threads: int
+) -> None:
+    p = env_plan(TWO_CORES, **variables)
+    assert len(p.workers) == workers
+    assert {w.torch_threads for w in p.workers} == {threads}
+    assert bool(p.warnings) == (workers * threads > 2)
+
+
+def test_oversubscribing_overrides_are_allowed_with_a_warning() -> None:
+    p = env_plan(TWO_CORES, SERVE_WORKERS="2", SERVE_TORCH_THREADS="2")
+    assert len(p.workers) == 2
+    assert any("4 torch threads on 2 usable cores" in w for w in p.warnings)
+
+
+def test_a_cgroup_quota_of_one_and_a_half_cpus_on_sixteen_cores_gives_one_worker() -> None:
+    assert QUOTA_1_5_ON_16.usable_cores == 1
+    p = env_plan(QUOTA_1_5_ON_16)
+    assert devices(p) == ["cpu"]
+    assert p.workers[0].torch_threads == 1
+    assert "cgroup quota 1.5 CPUs" in p.table()
+
+
+@pytest.mark.parametrize(
+    ("affinity", "quota", "usable"), [(16, 0.5, 1), (16, 2.9, 2), (4, 8.0, 4), (3, None, 3)]
+)
+def test_usable_cores_are_the_tighter_of_affinity_and_quota(
+    affinity: int, quota: float | None, usable: int
+) -> None:
+    assert Inventory(affinity_cores=affinity, cpu_quota=quota).usable_cores == usable
+
+
+def test_gpu_settings_on_a_cpu_plan_are_ignored_with_a_warning() -> None:
+    p = env_plan(TWO_CORES, SERVE_WORKERS_PER_DEVICE="2")
+    assert len(p.workers) == 2
+    assert p.warnings == ("SERVE_WORKERS_PER_DEVICE=2 is ignored: this plan uses no GPU",)
+
+
+# -- GPU --------------------------------------------------------------------------
+
+
+def test_four_80gb_gpus_get_one_worker_each_with_its_memory_less_the_context() -> None:
+    p = env_plan(FOUR_H100)
+    assert devices(p) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert [w.gpu_uuid for w in p.workers] == [g.uuid for g in FOUR_H100.gpus]
+    # (81059 free - 1024 context) / 81559 total, rounded down
+    assert {w.gpu_memory_fraction for w in p.workers} == {0.981}
+    assert {w.torch_threads for w in p.workers} == {4}  # 16 cores // 4 workers
+    assert p.warnings == ()
+    env = p.worker_env(2)
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-00000002-fake"
+    assert env["SERVE_WORKER_DEVICE"] == "cuda:2"
+    assert env["SERVE_WORKER_GPU_MEMORY_FRACTION"] == "0.981"
+
+
+def test_workers_per_device_split_each_gpu_and_interleave_the_slots() -> None:
+    p = env_plan(FOUR_H100, SERVE_WORKERS_PER_DEVICE="2")
+    assert devices(p) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"] * 2
+    fraction = p.workers[0].gpu_memory_fraction
+    assert fraction == 0.484  # (81059 / 2 - 1024) / 81559, rounded down
+    for d in p.devices:
+        assert d.workers == 2
+        assert d.workers * d.memory_fraction * d.gpu.total_mb + d.workers * 1024 <= d.gpu.free_mb
+    assert {w.torch_threads for w in p.workers} == {2}
+
+
+def test_mixed_gpus_get_counts_and_fractions_by_their_memory() -> None:
+    p = env_plan(MIXED, SERVE_GPU_MEMORY_PER_WORKER_MB="10000")
+    small, large = p.devices
+    assert (small.device, small.workers) == ("cuda:0", 2)  # 24064 free // 11024
+    assert (large.device, large.workers) == ("cuda:1", 7)  # 81059 free // 11024
+    assert small.memory_fraction != large.memory_fraction
+    for d in p.devices:
+        assert d.allocator_mb >= 10000
+        assert d.workers * (d.allocator_mb + 1024) <= d.gpu.free_mb
+    assert devices(p)[:5] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:1"]
+    assert devices(p).count("cuda:1") == 7
+    assert {w.torch_threads for w in p.workers} == {1}  # 16 cores // 9 workers
+    assert p.warnings == ()
+
+
+def test_mixed_gpus_with_the_default_count_get_one_worker_each_with_its_own_fraction() -> None:
+    p = env_plan(MIXED)
+    assert [(d.device, d.workers) for d in p.devices] == [("cuda:0", 1), ("cuda:1", 1)]
+    assert [d.memory_fraction for d in p.devices] == [0.937, 0.981]
+
+
+@pytest.mark.parametrize(
+    ("chosen", "expected"),
+    [
+        ("cuda:1,cuda:3", ["cuda:1", "cuda:3"]),
+        ("cuda:2", ["cuda:2"]),
+        ("CUDA:3, cuda:0", ["cuda:3", "cuda:0"]),
+    ],
+)
+def test_serve_devices_picks_a_subset_of_the_gpus(chosen: str, expected: list[str]) -> None:
+    p = env_plan(FOUR_H100, SERVE_DEVICES=chosen)
+    assert devices(p) == expected
+    assert [w.gpu_uuid for w in p.workers] == [f"GPU-{int(d[5:]):08d}-fake" for d in expected]
+    assert {w.torch_threads for w in p.workers} == {16 // len(expected)}
+
+
+def test_serve_devices_cpu_ignores_the_gpus() -> None:
+    p = env_plan(FOUR_H100, SERVE_DEVICES="cpu")
+    assert devices(p) == ["cpu"] * 16
+    assert p.worker_env(0)["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_serve_workers_spreads_over_the_gpus() -> None:
+    p = env_plan(FOUR_H100, SERVE_WORKERS="6")
+    assert [d.workers for d in p.devices] == [2, 2, 1, 1]
+    fewer = env_plan(FOUR_H100, SERVE_WORKERS="1")
+    assert devices(fewer) == ["cuda:0"]
+
+
+def test_the_memory_fraction_override_applies_to_every_worker() -> None:
+    p = env_plan(MIXED, SERVE_WORKERS_PER_DEVICE="3", SERVE_GPU_MEMORY_FRACTION="0.3")
+    assert {w.gpu_memory_fraction for w in p.workers} == {0.3}
+
+
+def test_slots_past_the_plan_reuse_the_planned_devices_in_turn() -> None:
+    p = env_plan(FOUR_H100)
+    assert p.worker(5).device == "cuda:1"
+    assert p.worker_env(5)["SERVE_WORKER_SLOT"] == "5"
+
+
+# -- request concurrency and timeouts ---------------------------------------------
+
+
+def test_gthread_threads_cover_a_full_batch_and_the_probes() -> None:
+    assert env_plan(TWO_CORES, SERVE_MAX_BATCH_SIZE="16").threads == 24
+    low = env_plan(TWO_CORES, SERVE_THREADS="8")
+    assert low.threads == 8
+    assert any("SERVE_THREADS=8 is below max batch size + 8" in w for w in low.warnings)
+
+
+def test_gevent_connections_cover_a_running_batch_a_full_queue_and_the_probes() -> None:
+    p = env_plan(TWO_CORES, SERVE_WORKER_CLASS="gevent")
+    assert p.worker_connections == 64 + 256 + 8
+    assert (
+        env_plan(TWO_CORES, SERVE_WORKER_CLASS="gevent", SERVE_WORKER_CONNECTIONS="100").worker_connections
+        == 100
+    )
+
+
+def test_sync_is_allowed_with_a_warning_and_a_timeout_that_covers_a_request() -> None:
+    p = env_plan(TWO_CORES, SERVE_WORKER_CLASS="sync", SERVE_REQUEST_TIMEOUT_MS="90000")
+    assert p.threads == 1  # more would make gunicorn switch to gthread
+    assert any("never sees more than one request per batch" in w for w in p.warnings)
+    assert p.timeout_s == 95
+    assert p.graceful_timeout_s == 95
+
+
+def test_graceful_timeout_follows_the_request_deadline() -> None:
+    assert env_plan(TWO_CORES, SERVE_REQUEST_TIMEOUT_MS="2500").graceful_timeout_s == 3 + 5
+
+
+# -- errors -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("inventory", "variables", "message"),
+    [
+        (TWO_CORES, {"SERVE_DEVICES": "cuda"}, "SERVE_DEVICES=cuda asks for GPUs, but none is usable: NVML"),
+        (
+            FOUR_H100,
+            {"SERVE_DEVICES": "cuda:1,cuda:7"},
+            "SERVE_DEVICES=cuda:1,cuda:7 names cuda:7, but the GPUs",
+        ),
+        (
+            FOUR_H100,
+            {"SERVE_WORKERS_PER_DEVICE": "2", "SERVE_GPU_MEMORY_PER_WORKER_MB": "1000"},
+            "SERVE_WORKERS_PER_DEVICE and SERVE_GPU_MEMORY_PER_WORKER_MB both set",
+        ),
+        (
+            FOUR_H100,
+            {"SERVE_WORKERS": "4", "SERVE_WORKERS_PER_DEVICE": "2"},
+            "SERVE_WORKERS=4 cannot be combined with SERVE_WORKERS_PER_DEVICE",
+        ),
+        (
+            MIXED,
+            {"SERVE_GPU_MEMORY_PER_WORKER_MB": "30000"},
+            "SERVE_GPU_MEMORY_PER_WORKER_MB=30000 fits no worker",
+        ),
+        (
+            FOUR_H100,
+            {"SERVE_WORKERS_PER_DEVICE": "3", "SERVE_GPU_MEMORY_FRACTION": "0.4"},
+            "SERVE_GPU_MEMORY_FRACTION=0.4 for 3 workers on cuda:0 adds up to 1.20",
+        ),
+        (MIXED, {"SERVE_WORKERS_PER_DEVICE": "30"}, "30 workers on cuda:0"),
+    ],
+)
+def test_impossible_plans_name_the_variable(
+    inventory: Inventory, variables: dict[str, str], message: str
+) -> None:
+    with pytest.raises(SettingsError, match="^" + message.replace(".", r"\.").replace("(", r"\(")):
+        env_plan(inventory, **variables)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("SERVE_DEVICES", "gpu", "SERVE_DEVICES must be one of auto, cpu, cuda, or a list of distinct GPUs"),
+        ("SERVE_DEVICES", "cuda:0,cuda:0", "SERVE_DEVICES must be one of auto, cpu, cuda"),
+        ("SERVE_DEVICES", "cuda:0,cpu", "SERVE_DEVICES must be one of auto, cpu, cuda"),
+        ("SERVE_WORKERS_PER_DEVICE", "0", "SERVE_WORKERS_PER_DEVICE must be an integer from 1 to 256"),
+        ("SERVE_GPU_MEMORY_FRACTION", "1.5", "SERVE_GPU_MEMORY_FRACTION must be a number from 0.01 to 1"),
+        ("SERVE_GPU_MEMORY_PER_WORKER_MB", "lots", "SERVE_GPU_MEMORY_PER_WORKER_MB must be an integer"),
+        ("SERVE_WORKER_CONNECTIONS", "0", "SERVE_WORKER_CONNECTIONS must be an integer from 1"),
+    ],
+)
+def test_bad_topology_settings_name_the_variable(variable: str, value: str, message: str) -> None:
+    with pytest.raises(SettingsError, match="^" + message):
+        Settings.from_env({variable: value})
+
+
+# -- the table ----------------------------------------------------------------------
+
+
+def test_the_table_shows_every_worker_device_decision_and_warning() -> None:
+    table = env_plan(MIXED, SERVE_GPU_MEMORY_PER_WORKER_MB="10000", SERVE_TORCH_THREADS="2").table()
+    assert "Worker topology: 9 gthread workers on 16 usable cores" in table
+    assert "NVIDIA GeForce RTX 4090" in table
+    for heading in ("slot", "device", "torch threads", "GPU memory fraction", "allocator MiB each", "why"):
+        assert heading in table
+    assert "warning: 9 workers run 18 torch threads on 16 usable cores" in table
+    assert env_plan(TWO_CORES).table().endswith("warnings: none")
