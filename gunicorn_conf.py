@@ -1,32 +1,40 @@
 """Gunicorn configuration: ``gunicorn -c gunicorn_conf.py wsgi:app``.
 
-Reads the service's settings once and derives the worker topology from the
-machine. Everything here runs in the gunicorn master, which must never touch
-torch or CUDA: the model is built in each worker by ``wsgi.create_app()``.
+A thin shell: it reads the settings and the machine, plans the worker topology
+(service.topology; ``python -m service.topology`` prints the same plan) and wires
+gunicorn's hooks. Everything here runs in the gunicorn master, which must never
+import torch or touch CUDA: each worker builds its model in ``wsgi.create_app()``.
+
+Each hook below calls one helper per concern; add a concern by adding a line.
 """
 
 import os
+import sys
 
-from service.settings import Settings
+from service.errors import SettingsError
+from service.inventory import read_inventory
+from service.settings import Settings, cuda_visible_devices
+from service.slots import SlotTable
+from service.topology import plan as plan_topology
 
-settings = Settings.from_env()
-
-usable_cores = len(os.sched_getaffinity(0))
+try:
+    settings = Settings.from_env()
+    plan = plan_topology(settings, read_inventory(cuda_visible_devices()))
+except SettingsError as exc:
+    # A message, not a traceback: the variable and the fix are all the reader needs.
+    sys.exit(f"gunicorn_conf.py: {exc}")
 
 bind = settings.bind
-worker_class = settings.worker_class
-workers = settings.workers or usable_cores
-# workers x torch threads <= cores: more would oversubscribe the CPU.
-torch_threads = settings.torch_threads or max(1, usable_cores // workers)
-# gthread's thread count caps how many requests a worker's batcher can ever see
-# at once; the extra threads keep /healthz and /metrics answering under load.
-threads = settings.threads or settings.max_batch_size + 8
-
+worker_class = plan.worker_class
+workers = len(plan.workers)
+threads = plan.threads
+if plan.worker_connections is not None:
+    worker_connections = plan.worker_connections
+timeout = plan.timeout_s
+graceful_timeout = plan.graceful_timeout_s
 # preload_app stays off: torch's OpenMP pool and CUDA do not survive a fork, so
 # each worker imports wsgi (and loads its model) after it is forked.
 preload_app = False
-timeout = 60
-graceful_timeout = 30
 # Idle seconds a keep-alive connection stays open. Behind nginx (deploy/nginx.conf)
 # this must outlast nginx's upstream keepalive_timeout (60 s there): if gunicorn
 # closes an idle connection first, nginx can send the next request on it at the
@@ -40,5 +48,69 @@ forwarded_allow_ips = ",".join(settings.forwarded_allow_ips)
 # one host (or a test suite) would fight over; nothing here uses it.
 control_socket_disable = True
 
-# Workers read their settings from the environment; hand them the planned threads.
-os.environ["SERVE_TORCH_THREADS"] = str(torch_threads)
+# Gunicorn reads this file again on SIGHUP, which starts an empty table while the
+# old workers drain; the new workers then take slots 0.. and the same devices.
+slots = SlotTable()
+
+
+# -- hooks ------------------------------------------------------------------------
+
+
+def on_starting(server):
+    _log_plan(server)
+
+
+def pre_fork(server, worker):
+    _take_slot(server, worker)
+
+
+def post_fork(server, worker):
+    _enter_slot(server, worker)
+
+
+def child_exit(server, worker):
+    _free_slot(server, worker)
+
+
+# -- worker topology ----------------------------------------------------------------
+
+
+def _log_plan(server):
+    for line in plan.table().splitlines():
+        if line.startswith("warning:"):
+            server.log.warning("%s", line)
+        elif line:
+            server.log.info("%s", line)
+
+
+def _take_slot(server, worker):
+    live = [w.age for w in server.WORKERS.values()]
+    worker.serve_slot = slots.assign(worker.age, live)
+    if worker.serve_slot >= len(plan.workers):
+        server.log.warning(
+            "slot %d is past the %d planned workers; it shares slot %d's device",
+            worker.serve_slot,
+            len(plan.workers),
+            plan.worker(worker.serve_slot).slot,
+        )
+
+
+def _enter_slot(server, worker):
+    # In the new worker, before it imports wsgi: torch reads these when it starts.
+    for name, value in plan.worker_env(worker.serve_slot).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    assigned = plan.worker(worker.serve_slot)
+    server.log.info(
+        "worker %s takes slot %d: device %s, %d torch threads",
+        worker.pid,
+        worker.serve_slot,
+        assigned.device,
+        assigned.torch_threads,
+    )
+
+
+def _free_slot(server, worker):
+    slots.release(worker.age)

@@ -113,6 +113,10 @@ def info() -> Response:
             "ready": rt.readiness() is None,
             "not_ready_reason": rt.readiness(),
             "pid": rt.pid,
+            # The worker's place in the topology plan; null outside gunicorn_conf.py.
+            "slot": s.worker_slot,
+            "device": s.worker_device or rt.device,
+            "gpu_memory_fraction": s.worker_gpu_memory_fraction,
             "torch_threads": s.torch_threads,
             "batching": {
                 "max_batch_size": s.max_batch_size,

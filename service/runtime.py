@@ -1,9 +1,9 @@
 # design:
 # - ModelRuntime is the worker's Flask extension: it owns the model and the
 #   Batcher. start() runs in the worker process (never in the gunicorn master);
-#   it sets torch's thread counts, then loads the model in a new OS thread so
-#   that /healthz answers while the weights load, and starts the batch thread
-#   once the model is ready.
+#   it sets torch's thread counts and, on a GPU, the worker's share of its
+#   memory, then loads the model in a new OS thread so that /healthz answers
+#   while the weights load, and starts the batch thread once the model is ready.
 # - Request threads read ``model`` and ``batcher`` only after ``ready`` says so;
 #   both are assigned once and never replaced.
 # - stop() asks the batcher to drain; see service.batching.
@@ -40,18 +40,27 @@ class ModelRuntime:
         self.failure: str | None = None
         self.load_seconds: float | None = None
         self.pid = os.getpid()
+        self.device = "cpu"
 
     def init_app(self, app: Flask) -> None:
         app.extensions[EXTENSION] = self
 
     def start(self) -> None:
         configure_torch(self.settings.torch_threads)
+        try:
+            self.device = select_device(self.settings.worker_device)
+            if self.device == "cuda" and self.settings.worker_gpu_memory_fraction is not None:
+                limit_gpu_memory(self.settings.worker_gpu_memory_fraction)
+        except RuntimeError as exc:
+            log.error("cannot use the planned device: %s", exc)
+            self.failure = str(exc)
+            return
         native.start_thread(self._load)
 
     def _load(self) -> None:
         started = time.monotonic()
         try:
-            model = load_model(self.settings, select_device())
+            model = load_model(self.settings, self.device)
         except Exception as exc:
             log.exception("model %r failed to load", self.settings.model)
             self.failure = f"the model failed to load: {exc}"
@@ -120,8 +129,33 @@ def configure_torch(threads: int | None) -> None:
         torch.set_num_interop_threads(1)
 
 
-def select_device() -> str:
-    """The worker's device: its planned GPU when one is visible, else the CPU."""
+def select_device(planned: str | None) -> str:
+    """The torch device for the worker's planned one ("cpu", "cuda:N"; None: not planned).
+
+    gunicorn_conf.py shows a GPU worker its one GPU alone, so "cuda:N" is "cuda"
+    here. Without a plan (tests, a plain WSGI server) a visible GPU is used.
+    """
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if planned == "cpu":
+        return "cpu"
+    if planned is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"the plan gives this worker {planned}, but torch sees no CUDA device "
+            f"(torch {torch.__version__}; is it built with CUDA?)"
+        )
+    return "cuda"
+
+
+def limit_gpu_memory(fraction: float) -> None:
+    """Cap torch's allocator at the worker's planned share of its GPU.
+
+    Past it, an allocation raises torch.cuda.OutOfMemoryError in this worker
+    (the batch fails with 503) instead of starving the workers that share the GPU.
+    """
+    import torch
+
+    torch.cuda.set_per_process_memory_fraction(fraction, 0)
+    log.info("torch may allocate %.3f of the GPU's memory in this worker", fraction)

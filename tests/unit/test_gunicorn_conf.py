@@ -1,0 +1,119 @@
+"""gunicorn_conf.py's hooks, driven with stand-ins for gunicorn's arbiter and workers."""
+
+from __future__ import annotations
+
+import logging
+import os
+import runpy
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from tests.support.server import ROOT
+
+CONF = str(ROOT / "gunicorn_conf.py")
+
+
+@dataclass
+class FakeWorker:
+    age: int
+    pid: int = 0
+
+
+@dataclass
+class FakeArbiter:
+    WORKERS: dict[int, FakeWorker] = field(default_factory=dict)
+    log: logging.Logger = field(default_factory=lambda: logging.getLogger("test.gunicorn"))
+
+    def fork(self, conf: dict[str, Any], age: int) -> FakeWorker:
+        worker = FakeWorker(age)
+        conf["pre_fork"](self, worker)
+        worker.pid = 1000 + age
+        self.WORKERS[worker.pid] = worker
+        return worker
+
+    def reap(self, conf: dict[str, Any], worker: FakeWorker) -> None:
+        del self.WORKERS[worker.pid]
+        conf["child_exit"](self, worker)
+
+
+@pytest.fixture
+def environ(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    # The hooks write the worker's environment; keep this process's own intact.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")}
+    monkeypatch.setattr(os, "environ", env)
+    return env
+
+
+def test_the_config_reads_the_plan(environ: dict[str, str]) -> None:
+    environ.update({"SERVE_WORKERS": "3", "SERVE_MAX_BATCH_SIZE": "16", "SERVE_WORKER_CLASS": "gevent"})
+    conf = runpy.run_path(CONF)
+    assert (conf["workers"], conf["worker_class"], conf["worker_connections"]) == (3, "gevent", 16 + 64 + 8)
+    assert conf["preload_app"] is False
+    assert conf["control_socket_disable"] is True
+    assert (conf["timeout"], conf["graceful_timeout"]) == (60, 35)
+
+
+def test_a_replacement_worker_takes_its_predecessors_slot_and_environment(environ: dict[str, str]) -> None:
+    environ.update(
+        {"SERVE_WORKERS": "2", "SERVE_TORCH_THREADS": "1", "SERVE_WORKER_GPU_MEMORY_FRACTION": "0.5"}
+    )
+    conf = runpy.run_path(CONF)
+    arbiter = FakeArbiter()
+    first, second = arbiter.fork(conf, 1), arbiter.fork(conf, 2)
+    assert (first.serve_slot, second.serve_slot) == (0, 1)  # type: ignore[attr-defined]
+
+    arbiter.reap(conf, first)
+    replacement = arbiter.fork(conf, 3)
+    assert replacement.serve_slot == 0  # type: ignore[attr-defined]
+
+    conf["post_fork"](arbiter, replacement)
+    assert environ["SERVE_WORKER_SLOT"] == "0"
+    assert environ["SERVE_WORKER_DEVICE"] == "cpu"
+    assert environ["SERVE_TORCH_THREADS"] == environ["OMP_NUM_THREADS"] == "1"
+    assert environ["CUDA_VISIBLE_DEVICES"] == ""
+    assert "SERVE_WORKER_GPU_MEMORY_FRACTION" not in environ  # a CPU worker has none
+
+
+def test_a_bad_setting_stops_gunicorn_with_a_message_naming_it(environ: dict[str, str]) -> None:
+    environ["SERVE_DEVICES"] = "tpu"
+    with pytest.raises(SystemExit, match=r"^gunicorn_conf\.py: SERVE_DEVICES must be one of auto, cpu, cuda"):
+        runpy.run_path(CONF)
+
+
+def test_the_master_never_imports_torch() -> None:
+    code = f"import runpy, sys; runpy.run_path({CONF!r}); print('torch' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")}
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
+
+
+def test_python_m_service_topology_prints_the_plan() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")}
+    env["SERVE_WORKERS"] = "1"
+    result = subprocess.run(
+        [sys.executable, "-m", "service.topology"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert result.stdout.startswith("Worker topology: 1 gthread worker on ")
+    assert "SERVE_WORKERS=1" in result.stdout
+    env["SERVE_WORKERS"] = "many"
+    bad = subprocess.run(
+        [sys.executable, "-m", "service.topology"],
+        check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("error: SERVE_WORKERS must be an integer")
