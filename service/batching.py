@@ -41,7 +41,8 @@ class Pending:
     items: list[Any]
     deadline: float
     enqueued_at: float = field(default_factory=time.monotonic)
-    future: Future[Outputs] = field(default_factory=Future)
+    # Created before it is queued; native so the batch thread may complete it under gevent.
+    future: Future[Outputs] = field(default_factory=native.new_future)
     # Filled in by the batch thread before the future completes.
     started_at: float | None = None
     batch_size: int = 0

@@ -1,22 +1,33 @@
-"""OS threads, locks and queues that stay native in a gevent-patched worker.
+"""OS threads, locks, queues and futures that stay native in a gevent-patched worker.
 
 gevent's monkey-patching turns ``threading.Thread`` into a greenlet and
 ``threading.Lock`` into a hub-bound lock. The batcher must be a real OS thread
 (a model call inside a greenlet would stall the worker's event loop), and what
 it shares with request greenlets must be safe across OS threads, so this module
 hands out the originals whether or not the process was patched.
+
+Futures too: ``concurrent.futures.Future`` guards its state with a
+``threading.Condition``, whose lock is gevent's once patched. gevent can pass
+such a lock between an OS thread and a greenlet, but only through a slow
+hand-off via the owning hub, which its maintainers call delicate and advise
+against. A request's future is touched by both sides, so its lock is a native
+one here. It is held only for a few attribute writes, so a greenlet that waits
+for it stalls its hub for microseconds; nobody waits on the condition itself
+under gevent (service.waiting wakes greenlets through the hub instead).
 """
 
 from __future__ import annotations
 
 import importlib
+import threading
 
 # The C implementation: gevent patches ``queue.SimpleQueue`` but not ``_queue``.
 from _queue import Empty, SimpleQueue
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
-__all__ = ["Empty", "SimpleQueue", "allocate_lock", "gevent_patched", "start_thread"]
+__all__ = ["Empty", "SimpleQueue", "allocate_lock", "gevent_patched", "new_future", "start_thread"]
 
 
 def gevent_patched() -> bool:
@@ -38,6 +49,16 @@ def _original(module: str, name: str) -> Any:
 def allocate_lock() -> Any:
     """A plain OS lock (``_thread.LockType``)."""
     return _original("_thread", "allocate_lock")()
+
+
+def new_future() -> Future[Any]:
+    """A ``concurrent.futures.Future`` whose internal lock is a native OS lock."""
+    future: Future[Any] = Future()
+    if gevent_patched():
+        # Future keeps its state under ``_condition`` (CPython 3.2 onwards); a
+        # Condition over a native RLock serves every Future method unchanged.
+        future._condition = threading.Condition(_original("_thread", "RLock")())
+    return future
 
 
 def start_thread(target: Callable[[], None]) -> int:

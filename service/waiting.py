@@ -1,26 +1,64 @@
-"""Waiting for a batched request's Future from a request thread.
-
-A timed-out caller cancels its future (a no-op once the batch has started) and
-drops its reference; the batch thread's result then goes nowhere. No map of
-pending requests exists, so nothing is left behind.
-"""
+# design:
+# - A batched request waits for its Future, which the batch thread (a native OS
+#   thread, service.native) completes. Request threads (gthread, sync) block in
+#   Future.result(timeout).
+# - Under gevent a request is a greenlet on the worker's one hub. Blocking in
+#   Future.result() would wait on a lock that gevent can only hand between an
+#   OS thread and a greenlet through its delicate cross-thread path. Instead
+#   the greenlet waits on a gevent Event with its timeout, and a done-callback,
+#   which runs in the batch thread, asks the hub to set that Event with
+#   loop.run_callback_threadsafe: the one hub call made for other threads. The
+#   hub keeps serving other greenlets (/healthz) while the batch runs.
+# - A timed-out caller cancels its future (a no-op once the batch has started)
+#   and drops its reference; the batch thread's result then goes nowhere, and
+#   the callback sets an Event nobody waits on. No map of pending requests
+#   exists, so nothing is left behind.
+"""Waiting for a batched request's Future from a request thread or greenlet."""
 
 from __future__ import annotations
 
 import concurrent.futures
 from concurrent.futures import Future
 
+from service import native
 from service.errors import DeadlineExceeded
 from service.models.base import Outputs
 
 
 def wait_result(future: Future[Outputs], timeout_s: float) -> Outputs:
+    timeout_s = max(0.0, timeout_s)
+    if native.gevent_patched():
+        _wait_in_greenlet(future, timeout_s)
+        if future.done():
+            return future.result(timeout=0)
+        return _after_deadline(future)
     try:
-        return future.result(timeout=max(0.0, timeout_s))
+        return future.result(timeout=timeout_s)
     except concurrent.futures.TimeoutError:
         # TimeoutError is also what DeadlineExceeded from the batch thread is;
         # a finished future re-raises its own outcome.
         if future.done():
             return future.result(timeout=0)
-        future.cancel()
-        raise DeadlineExceeded("the request's deadline passed before its batch finished") from None
+        return _after_deadline(future)
+
+
+def _wait_in_greenlet(future: Future[Outputs], timeout_s: float) -> None:
+    """Yield to the hub until ``future`` is done or ``timeout_s`` passes."""
+    if future.done():
+        return
+    from gevent import get_hub
+    from gevent.event import Event
+
+    loop = get_hub().loop
+    woken = Event()
+    # Runs in the batch thread, or here at once if the future finished meanwhile.
+    future.add_done_callback(lambda _: loop.run_callback_threadsafe(woken.set))
+    woken.wait(timeout_s)
+
+
+def _after_deadline(future: Future[Outputs]) -> Outputs:
+    # cancel() fails once the batch has taken the request; if the batch finished
+    # in the meantime, its outcome is still the answer.
+    if future.cancel() or not future.done():
+        raise DeadlineExceeded("the request's deadline passed before its batch finished")
+    return future.result(timeout=0)

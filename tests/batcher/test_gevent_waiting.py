@@ -1,0 +1,105 @@
+"""Waiting on the native batch thread from greenlets, in a gevent-patched process.
+
+Patching is for the life of a process, so the scenario runs in a child Python.
+It gates the model with native locks, so each step waits on an event, not a sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.support.server import ROOT
+
+SCENARIO = r"""
+from gevent import monkey
+monkey.patch_all()
+
+import json
+import _thread
+import gevent
+import gevent.event
+from service import native
+from service.batching import Batcher, GatherPolicy
+from service.errors import DeadlineExceeded
+from service.waiting import wait_result
+
+FAR = 1e18
+gate = native.allocate_lock()
+gate.acquire()
+hub_loop = gevent.get_hub().loop
+model_entered = gevent.event.Event()
+
+def predict(batch):
+    hub_loop.run_callback_threadsafe(model_entered.set)
+    gate.acquire(timeout=20)  # the main greenlet opens it
+    return [x * 2 for x in batch]
+
+def wait_for_the_model():
+    assert model_entered.wait(10), "the batch thread never called the model"
+    model_entered.clear()
+
+batcher = Batcher(predict, max_batch_size=1, queue_limit=10, policy=GatherPolicy(adaptive=False))
+batcher.start()
+report = {}
+
+# 1. A greenlet waits for a running batch; the hub stays free; the batch thread wakes it.
+pending = batcher.submit([1], FAR)
+report["native_lock"] = isinstance(pending.future._condition._lock, _thread.RLock)
+waiter = gevent.spawn(wait_result, pending.future, 20)
+wait_for_the_model()
+ticks = 0
+for _ in range(5):
+    gevent.sleep(0)  # the main greenlet keeps running while the waiter waits
+    ticks += 1
+report["waiting_while_hub_runs"] = not waiter.ready() and ticks == 5
+gate.release()
+report["result"] = list(waiter.get(timeout=10))
+
+# 2. A deadline while the batch runs: DeadlineExceeded; the batch's late result goes nowhere.
+running = batcher.submit([2], FAR)
+queued = batcher.submit([3], FAR)
+wait_for_the_model()
+for name, request, timeout in (("running", running, 0.05), ("queued", queued, 0.05)):
+    try:
+        wait_result(request.future, timeout)
+        report[name] = "answered"
+    except DeadlineExceeded:
+        report[name] = "deadline"
+report["queued_cancelled"] = queued.future.cancelled()
+gate.release()
+report["running_result_after_deadline"] = list(running.future.result(timeout=10))
+
+# 3. An already finished future returns at once.
+report["done_before_wait"] = list(wait_result(running.future, 0))
+report["stopped"] = batcher.stop(timeout=10)
+print(json.dumps(report))
+"""
+
+
+def test_greenlets_wait_for_the_native_batch_thread_through_the_hub() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")}
+    result = subprocess.run(
+        [sys.executable, "-c", SCENARIO],
+        check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {
+        "native_lock": True,
+        "waiting_while_hub_runs": True,
+        "result": [2],
+        "running": "deadline",
+        "queued": "deadline",
+        "queued_cancelled": True,
+        "running_result_after_deadline": [4],
+        "done_before_wait": [4],
+        "stopped": True,
+    }
