@@ -6,8 +6,11 @@ the batches it saw and can be told to fail on a marked item.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
+
+from service import native
 
 POISON = "boom"
 
@@ -55,3 +58,67 @@ class SlowEchoModel(EchoModel):
 
 def slow_echo() -> SlowEchoModel:
     return SlowEchoModel()
+
+
+def _pause(seconds: float) -> None:
+    """Block this OS thread alone, as a model call does: a native lock, so neither the
+    GIL nor a gevent hub is held (``time.sleep`` would be gevent's in a patched worker)."""
+    lock = native.allocate_lock()
+    lock.acquire()
+    lock.acquire(timeout=seconds)
+
+
+class SleepyModel:
+    """Each item is a number of seconds; a batch takes as long as its largest item.
+
+    Outputs ``[seconds, 2 * seconds]``, so that a test can check each request got
+    its own outputs. A stand-in for a long model call that leaves the rest of the
+    worker free, as torch does.
+    """
+
+    name = "sleepy"
+    item_kind = "seconds"
+    item_shape = (2,)
+
+    def prepare(self, item: Any) -> float:
+        if isinstance(item, bool) or not isinstance(item, (int, float)) or not 0 <= item <= 10:
+            raise ValueError("expected a number of seconds from 0 to 10")
+        return float(item)
+
+    def predict(self, batch: list[float]) -> list[list[float]]:
+        _pause(max(batch))
+        return [[seconds, 2 * seconds] for seconds in batch]
+
+
+def sleepy() -> SleepyModel:
+    return SleepyModel()
+
+
+class GpuAllocModel:
+    """Each item is a number of MiB to allocate on the worker's GPU (needs CUDA).
+
+    Outputs ``[MiB, the allocator's memory fraction, pid]``, so that a test sees
+    the limit torch itself enforces and which worker answered.
+    """
+
+    name = "gpu-alloc"
+    item_kind = "MiB"
+    item_shape = (3,)
+    device = "cuda"
+
+    def prepare(self, item: Any) -> int:
+        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+            raise ValueError("expected a whole number of MiB")
+        return item
+
+    def predict(self, batch: list[int]) -> list[list[float]]:
+        import torch
+
+        held = [torch.empty(mib << 20, dtype=torch.uint8, device="cuda") for mib in batch]
+        fraction = torch.cuda.get_per_process_memory_fraction()
+        del held
+        return [[float(mib), fraction, float(os.getpid())] for mib in batch]
+
+
+def gpu_alloc() -> GpuAllocModel:
+    return GpuAllocModel()
