@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from service.errors import SettingsError
 from service.inventory import Gpu, Inventory, read_inventory
 from service.settings import Settings, cuda_visible_devices
+from service.topology_table import render
 
 # Requests a worker must still take while a full batch waits: /healthz, /readyz,
 # /metrics and /info must answer even then.
@@ -92,8 +93,6 @@ class Plan:
         }
 
     def table(self) -> str:
-        from service.topology_table import render
-
         return render(self)
 
 
@@ -296,6 +295,14 @@ def _concurrency(
     settings: Settings, decisions: list[Decision], warnings: list[str]
 ) -> tuple[int, int | None]:
     full = settings.max_batch_size + PROBE_HEADROOM
+    if settings.threads is not None and settings.worker_class != "gthread":
+        warnings.append(
+            f"SERVE_THREADS={settings.threads} is ignored: only gthread workers have request threads"
+        )
+    if settings.worker_connections is not None and settings.worker_class != "gevent":
+        warnings.append(
+            f"SERVE_WORKER_CONNECTIONS={settings.worker_connections} is ignored: it sizes gevent workers only"
+        )
     if settings.worker_class == "sync":
         warnings.append(
             "SERVE_WORKER_CLASS=sync: each worker takes one request at a time, so the batched route "

@@ -209,6 +209,13 @@ def test_gevent_connections_cover_a_running_batch_a_full_queue_and_the_probes() 
     )
 
 
+def test_concurrency_settings_of_another_worker_class_are_ignored_with_a_warning() -> None:
+    gevent = env_plan(TWO_CORES, SERVE_WORKER_CLASS="gevent", SERVE_THREADS="100")
+    assert gevent.warnings == ("SERVE_THREADS=100 is ignored: only gthread workers have request threads",)
+    gthread = env_plan(TWO_CORES, SERVE_WORKER_CONNECTIONS="50")
+    assert gthread.warnings == ("SERVE_WORKER_CONNECTIONS=50 is ignored: it sizes gevent workers only",)
+
+
 def test_sync_is_allowed_with_a_warning_and_a_timeout_that_covers_a_request() -> None:
     p = env_plan(TWO_CORES, SERVE_WORKER_CLASS="sync", SERVE_REQUEST_TIMEOUT_MS="90000")
     assert p.threads == 1  # more would make gunicorn switch to gthread
