@@ -129,7 +129,7 @@ def configure_torch(threads: int | None) -> None:
         torch.set_num_interop_threads(1)
 
 
-def select_device(planned: str | None) -> str:
+def select_device(planned: str | None = None) -> str:
     """The torch device for the worker's planned one ("cpu", "cuda:N"; None: not planned).
 
     gunicorn_conf.py shows a GPU worker its one GPU alone, so "cuda:N" is "cuda"
