@@ -159,11 +159,12 @@ def sample_item(info: dict[str, Any]) -> Any:
 
 
 def offline_limit(env: dict[str, str], seconds: float) -> dict[str, Any]:
+    from service.inventory import read_inventory
     from service.offline import measure, splits_for
     from service.settings import Settings
 
     settings = Settings.from_env(env)
-    cores = len(os.sched_getaffinity(0))
+    cores = read_inventory().usable_cores  # CPU affinity and cgroup quota
     item = SENTENCE if settings.model == "minilm" else [0.5] * settings.mlp_width
     results = []
     for split in splits_for(cores):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from service.inventory import read_inventory
 from service.offline import Measurement, measure, splits_for
 from service.settings import Settings
 
@@ -37,7 +38,7 @@ def main() -> None:
     if args.model:
         env["SERVE_MODEL"] = args.model
     settings = Settings.from_env(env)
-    cores = len(os.sched_getaffinity(0))
+    cores = read_inventory().usable_cores  # CPU affinity and cgroup quota
     item = SENTENCE if settings.model == "minilm" else [0.5] * settings.mlp_width
     sizes = [1 << i for i in range(args.max_batch.bit_length()) if 1 << i <= args.max_batch]
     curves: dict[str, list[Measurement]] = {}
