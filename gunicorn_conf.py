@@ -11,8 +11,10 @@ Each hook below calls one helper per concern; add a concern by adding a line.
 import os
 import sys
 
+from service import multiproc
 from service.errors import SettingsError
 from service.inventory import read_inventory
+from service.logs import logging_config
 from service.settings import Settings, cuda_visible_devices
 from service.slots import SlotTable
 from service.topology import plan as plan_topology
@@ -47,6 +49,13 @@ forwarded_allow_ips = ",".join(settings.forwarded_allow_ips)
 # The control socket's default path is one per user, which several services on
 # one host (or a test suite) would fight over; nothing here uses it.
 control_socket_disable = True
+# Every line, gunicorn's included, in the SERVE_LOG_FORMAT format: errors and
+# service lines on stderr, access lines on stdout.
+logconfig_dict = logging_config(settings.log_format)
+# gunicorn's own access log stays off (its default): the service writes one
+# access line per request with the request id, route and batch size, and a
+# second line for each request would only double the volume.
+accesslog = None
 
 # Gunicorn reads this file again on SIGHUP, which starts an empty table while the
 # old workers drain; the new workers then take slots 0.. and the same devices.
@@ -58,6 +67,7 @@ slots = SlotTable()
 
 def on_starting(server):
     _log_plan(server)
+    _share_metrics(server)
 
 
 def pre_fork(server, worker):
@@ -70,6 +80,11 @@ def post_fork(server, worker):
 
 def child_exit(server, worker):
     _free_slot(server, worker)
+    _drop_live_metrics(worker)
+
+
+def on_exit(server):
+    multiproc.cleanup()
 
 
 # -- worker topology ----------------------------------------------------------------
@@ -114,3 +129,27 @@ def _enter_slot(server, worker):
 
 def _free_slot(server, worker):
     slots.release(worker.age)
+
+
+# -- metrics over all workers -------------------------------------------------------
+
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def _share_metrics(server):
+    # on_starting runs once per master, not on reloads, so a SIGHUP keeps the
+    # directory and the counts in it.
+    path = multiproc.prepare(settings.prometheus_multiproc_dir)
+    os.environ[METRICS_DIR_ENV] = path
+    # prometheus_client reads the variable when first imported, so import it
+    # only now, and here in the master: every worker inherits it before gevent
+    # patches the worker, so its locks stay native OS locks that the batch
+    # thread and request greenlets can share (as service.native's are).
+    multiproc.import_client()
+    server.log.info("metrics of all workers are kept in %s", path)
+
+
+def _drop_live_metrics(worker):
+    # For every worker that exits, SIGKILL included: its gauges leave the sums,
+    # its counters stay.
+    multiproc.mark_dead(os.environ[METRICS_DIR_ENV], worker.pid)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 
-from flask import Flask, Response
+from flask import Flask, Response, g
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
+from service import access
 from service.errors import Overloaded, ServeError, Unauthorized
+from service.metrics import Metrics
 from service.routes import bp, json_response
 from service.runtime import ModelRuntime
 from service.settings import Settings
@@ -24,17 +26,22 @@ def create_app(settings: Settings | None = None) -> Flask:
     settings = settings if settings is not None else Settings.from_env()
     app = Flask("service")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    metrics = Metrics(settings)
+    metrics.init_app(app)
+    # Before the blueprint, whose token check may refuse a request: see access.init_app.
+    access.init_app(app, metrics)
     app.register_blueprint(bp)
-    _register_error_handlers(app, settings)
-    runtime = ModelRuntime(settings)
+    _register_error_handlers(app, settings, metrics)
+    runtime = ModelRuntime(settings, observer=metrics)
     runtime.init_app(app)
     runtime.start()
     return app
 
 
-def _register_error_handlers(app: Flask, settings: Settings) -> None:
+def _register_error_handlers(app: Flask, settings: Settings, metrics: Metrics) -> None:
     @app.errorhandler(ServeError)
     def serve_error(exc: ServeError) -> Response:
+        metrics.count_error(exc)
         response = json_response({"error": exc.message}, exc.status)
         if isinstance(exc, Overloaded):
             response.headers["Retry-After"] = str(exc.retry_after_s)
@@ -58,5 +65,5 @@ def _register_error_handlers(app: Flask, settings: Settings) -> None:
 
     @app.errorhandler(Exception)
     def unexpected(exc: Exception) -> Response:
-        log.exception("unhandled error")
+        log.exception("unhandled error in request %s", g.get("request_id"))
         return json_response({"error": "internal server error; see the service log"}, 500)

@@ -77,7 +77,13 @@ class GatherPolicy:
 
 
 class BatchObserver:
-    """Hooks for metrics; called from the batch thread. The base class ignores them."""
+    """Hooks for metrics. The base class ignores them.
+
+    ``on_batch`` and ``on_expired`` run in the batch thread, ``on_queue_depth``
+    in whichever thread changed the depth (under the batcher's lock, so the
+    values arrive in the order the depth took them), ``on_model_loaded`` in the
+    runtime's loader thread. Each must be quick and must not raise.
+    """
 
     def on_batch(self, items: int, requests: int, queue_waits: list[float], model_seconds: float) -> None:
         pass
@@ -86,6 +92,9 @@ class BatchObserver:
         pass
 
     def on_queue_depth(self, depth: int) -> None:
+        pass
+
+    def on_model_loaded(self, device: str, seconds: float) -> None:
         pass
 
 
@@ -128,13 +137,18 @@ class Batcher:
         pending = Pending(items, deadline)
         with self._lock:
             if not self._accepting:
-                raise NotReady("the worker is shutting down; retry on another worker")
+                raise NotReady("the worker is shutting down; retry on another worker", reason="shutting_down")
             if self._depth >= self._queue_limit:
-                raise Overloaded(f"the queue is full ({self._queue_limit} requests waiting); retry shortly")
+                raise Overloaded(
+                    f"the queue is full ({self._queue_limit} requests waiting); retry shortly",
+                    reason="queue_full",
+                )
             self._depth += 1
-            depth = self._depth
+            # Reported under the lock: reported after it, a request thread and
+            # the batch thread could report in the opposite order to their
+            # changes and leave a stale depth behind.
+            self._observer.on_queue_depth(self._depth)
         self._queue.put(pending)
-        self._observer.on_queue_depth(depth)
         return pending
 
     def start(self) -> None:
@@ -181,8 +195,7 @@ class Batcher:
         if item is not _STOP:
             with self._lock:
                 self._depth -= 1
-                depth = self._depth
-            self._observer.on_queue_depth(depth)
+                self._observer.on_queue_depth(self._depth)
         return item
 
     def _gather(self) -> list[Pending] | None:
@@ -232,7 +245,10 @@ class Batcher:
             if pending.deadline <= now:
                 waited_ms = (now - pending.enqueued_at) * 1000
                 pending.future.set_exception(
-                    DeadlineExceeded(f"the request's deadline passed after {waited_ms:.0f} ms in the queue")
+                    DeadlineExceeded(
+                        f"the request's deadline passed after {waited_ms:.0f} ms in the queue",
+                        reason="expired_in_queue",
+                    )
                 )
                 expired += 1
                 continue
@@ -301,7 +317,8 @@ def _client_error(exc: BaseException, items: int) -> ServeError:
     if type(exc).__name__ == "OutOfMemoryError":  # torch.cuda.OutOfMemoryError, without importing torch
         _release_cached_gpu_memory()
         return Overloaded(
-            f"the GPU ran out of memory for a batch of {items} items; retry, or send fewer items"
+            f"the GPU ran out of memory for a batch of {items} items; retry, or send fewer items",
+            reason="gpu_out_of_memory",
         )
     log.error("model failed on a batch of %d items", items, exc_info=exc)
     return ModelError(f"the model failed on this request's inputs ({type(exc).__name__})")

@@ -2,7 +2,10 @@
 
 A :class:`ServeError` carries the HTTP status its client should see; the routes
 turn it into ``{"error": message}``. Where callers already catch a stdlib
-exception for the same condition, the class subclasses it too.
+exception for the same condition, the class subclasses it too. A shed request
+(503, 504) also carries a short ``reason`` that the metrics count it under, set
+where the cause is known: the same status has several causes an operator must
+tell apart (a full queue is not a GPU out of memory).
 """
 
 from __future__ import annotations
@@ -14,10 +17,13 @@ class SettingsError(ValueError):
 
 class ServeError(Exception):
     status = 500
+    reason = "error"
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        if reason is not None:
+            self.reason = reason
 
 
 class BadRequest(ServeError, ValueError):
@@ -52,15 +58,19 @@ class Overloaded(ServeError):
     """The worker cannot take the request now; the client should retry later."""
 
     status = 503
+    reason = "overloaded"
 
-    def __init__(self, message: str, retry_after_s: int = 1) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, retry_after_s: int = 1, *, reason: str | None = None) -> None:
+        super().__init__(message, reason=reason)
         self.retry_after_s = retry_after_s
 
 
 class NotReady(Overloaded):
     """The model is still loading, or the batcher has stopped."""
 
+    reason = "not_ready"
+
 
 class DeadlineExceeded(ServeError, TimeoutError):
     status = 504
+    reason = "deadline"

@@ -79,6 +79,7 @@ class ModelRuntime:
         )
         batcher.start()
         self.model, self.batcher = model, batcher
+        self.observer.on_model_loaded(model.device, self.load_seconds)
         log.info("model %s loaded on %s in %.1f s", model.name, model.device, self.load_seconds)
 
     def readiness(self) -> str | None:

@@ -168,6 +168,9 @@ class Settings:
     worker_slot: int | None = None
     worker_device: str | None = None
     worker_gpu_memory_fraction: float | None = None
+    # Set by the launcher (gunicorn_conf.py) for its workers; None serves
+    # metrics from this process alone.
+    prometheus_multiproc_dir: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -228,6 +231,9 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "worker_slot": ("SERVE_WORKER_SLOT", _integer(0, 100_000)),
     "worker_device": ("SERVE_WORKER_DEVICE", _device),
     "worker_gpu_memory_fraction": ("SERVE_WORKER_GPU_MEMORY_FRACTION", _number(0.001, 1)),
+    # prometheus_client's own variable: it must be in the environment before
+    # prometheus_client is imported, so it keeps its name.
+    "prometheus_multiproc_dir": ("PROMETHEUS_MULTIPROC_DIR", _text),
 }
 
 

@@ -57,8 +57,13 @@ def _wait_in_greenlet(future: Future[Outputs], timeout_s: float) -> None:
 
 
 def _after_deadline(future: Future[Outputs]) -> Outputs:
-    # cancel() fails once the batch has taken the request; if the batch finished
-    # in the meantime, its outcome is still the answer.
-    if future.cancel() or not future.done():
-        raise DeadlineExceeded("the request's deadline passed before its batch finished")
+    # cancel() succeeds only while the request is still queued, and fails once
+    # the batch has taken it; if the batch finished in the meantime, its
+    # outcome is still the answer.
+    if future.cancel():
+        raise DeadlineExceeded("the request's deadline passed while it was queued", reason="expired_in_queue")
+    if not future.done():
+        raise DeadlineExceeded(
+            "the request's deadline passed before its batch finished", reason="expired_in_batch"
+        )
     return future.result(timeout=0)

@@ -1,0 +1,257 @@
+# design:
+# - Metric objects are created per app, by Metrics() in create_app, which runs
+#   in the worker; none exist at import. prometheus_client picks where values
+#   live when it is first imported (mmap files under PROMETHEUS_MULTIPROC_DIR
+#   when that variable is set, else memory) and opens this process's files when
+#   a value is first created, so both must happen after the launcher has set
+#   the variable and after the fork. Objects per app also let the tests build
+#   several apps in one process, each with a registry of its own.
+# - Under gunicorn every worker writes to its own files in the shared
+#   directory. GET /metrics, answered by whichever worker took the connection,
+#   reads every worker's files through a fresh CollectorRegistry and
+#   MultiProcessCollector. Counters and histograms sum over every worker that
+#   ran since the master started, dead ones included; gauges ('livesum') sum
+#   over live workers only, because the master's child_exit hook deletes a dead
+#   worker's live-gauge files (service.multiproc.mark_dead).
+# - Outside gunicorn (settings.prometheus_multiproc_dir is None) the values
+#   live in this app's own registry, which /metrics renders.
+# - Threads: request threads record through the HTTP hooks (service.access),
+#   the batch thread and the loader thread through the BatchObserver methods.
+#   prometheus_client holds a lock only for the length of one update; under
+#   gevent those are gevent locks, which are safe across native threads.
+
+"""Prometheus metrics of the service, aggregated over all gunicorn workers."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Literal
+
+from flask import Flask, Response, current_app
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    values,
+)
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from service.batching import BatchObserver
+from service.errors import DeadlineExceeded, Overloaded, ServeError, SettingsError
+from service.settings import Settings
+
+EXTENSION = "serve_metrics"
+
+# The route label of a request that matched no URL rule (404, 405): one value,
+# so that scanners probing random paths cannot grow the series without bound.
+UNMATCHED_ROUTE = "unmatched"
+
+# From half a millisecond (a small model's batch) to 30 s (the default request timeout).
+SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+# Powers of two up to the largest SERVE_MAX_BATCH_SIZE.
+BATCH_SIZE_BUCKETS = tuple(float(2**i) for i in range(13))
+
+# Created at zero so that rate() over them works before the first occurrence.
+REJECTION_REASONS = ("queue_full", "not_ready", "shutting_down", "gpu_out_of_memory")
+TIMEOUT_REASONS = ("expired_in_queue", "expired_in_batch")
+
+_WORKER_LABELS = ("slot", "device")
+
+# device -> (bytes allocated, bytes reserved) by torch's caching allocator.
+GpuMemoryReader = Callable[[str], tuple[int, int]]
+
+
+class Metrics(BatchObserver):
+    """The worker's metrics: a Flask extension and the batcher's observer."""
+
+    def __init__(self, settings: Settings, *, gpu_memory: GpuMemoryReader | None = None) -> None:
+        self.multiproc_dir = settings.prometheus_multiproc_dir
+        if self.multiproc_dir is not None:
+            _check_multiprocess(self.multiproc_dir)
+        # Multiprocess values are read back from the files, never from a registry.
+        self.registry = CollectorRegistry() if self.multiproc_dir is None else None
+        # The worker's stable slot and planned device (gunicorn_conf.py sets
+        # both); a process outside gunicorn is slot 0 on whatever it loads on.
+        self.slot = str(settings.worker_slot) if settings.worker_slot is not None else "0"
+        self._planned_device = settings.worker_device
+        self._gpu_memory = gpu_memory or cuda_memory
+        # (torch device to read, device label): the planned "cuda:2" is "cuda" in the worker.
+        self._gpu: tuple[str, str] | None = None
+        r = self.registry
+        # Gauges sum over live workers ('livesum') unless they say otherwise.
+        self.requests = _counter(r, "serve_http_requests_total", "HTTP requests answered.", "route", "code")
+        self.request_duration = _histogram(
+            r, "serve_http_request_duration_seconds", "From a request's arrival to its response.", "route"
+        )
+        self.in_flight = _gauge(
+            r, "serve_http_requests_in_flight", "Requests being handled now, /metrics scrapes included."
+        )
+        self.queue_wait = _histogram(
+            r, "serve_batch_queue_wait_seconds", "Time a batched request spent queued before its batch ran."
+        )
+        self.model_duration = _histogram(
+            r, "serve_batch_model_duration_seconds", "Time the model took to run one batch."
+        )
+        self.batch_size = _histogram(
+            r, "serve_batch_size_items", "Items in each batch the model ran.", buckets=BATCH_SIZE_BUCKETS
+        )
+        self.items = _counter(r, "serve_batch_items_total", "Items the batcher ran through the model.")
+        self.batches = _counter(r, "serve_batches_total", "Batches the batcher ran through the model.")
+        self.queue_depth = _gauge(
+            r, "serve_batch_queue_depth", "Batched requests queued, not yet in a batch."
+        )
+        self.rejected = _counter(r, "serve_rejected_requests_total", "Requests refused with 503.", "reason")
+        self.timed_out = _counter(
+            r, "serve_timed_out_requests_total", "Requests whose deadline passed (504).", "reason"
+        )
+        # Per worker: 'liveall' keeps one series per live process and adds its pid label.
+        self.model_load = _gauge(
+            r, "serve_model_load_seconds", "Time the worker took to load its model.", "slot", per_worker=True
+        )
+        self.worker_info = _gauge(
+            r,
+            "serve_worker_info",
+            "1 per live worker whose model has loaded.",
+            *_WORKER_LABELS,
+            per_worker=True,
+        )
+        self.gpu_allocated = _gauge(
+            r,
+            "serve_gpu_memory_allocated_bytes",
+            "GPU memory in the worker's tensors.",
+            *_WORKER_LABELS,
+            per_worker=True,
+        )
+        self.gpu_reserved = _gauge(
+            r,
+            "serve_gpu_memory_reserved_bytes",
+            "GPU memory the worker's allocator holds.",
+            *_WORKER_LABELS,
+            per_worker=True,
+        )
+        for reason in REJECTION_REASONS:
+            self.rejected.labels(reason)
+        for reason in TIMEOUT_REASONS:
+            self.timed_out.labels(reason)
+
+    def init_app(self, app: Flask) -> None:
+        app.extensions[EXTENSION] = self
+        app.add_url_rule("/metrics", "metrics", _metrics_view, methods=["GET"])
+
+    # -- HTTP side (service.access) -----------------------------------------------
+
+    def request_started(self) -> None:
+        self.in_flight.inc()
+
+    def request_finished(self) -> None:
+        self.in_flight.dec()
+
+    def observe_request(self, route: str, code: int, seconds: float) -> None:
+        self.requests.labels(route, str(code)).inc()
+        self.request_duration.labels(route).observe(seconds)
+
+    def count_error(self, exc: ServeError) -> None:
+        """Count a shed request by its reason; called once per request, where it is answered."""
+        if isinstance(exc, DeadlineExceeded):
+            self.timed_out.labels(exc.reason).inc()
+        elif isinstance(exc, Overloaded):
+            self.rejected.labels(exc.reason).inc()
+
+    # -- batcher side (BatchObserver) ---------------------------------------------
+
+    def on_batch(self, items: int, requests: int, queue_waits: list[float], model_seconds: float) -> None:
+        self.batch_size.observe(items)
+        self.items.inc(items)
+        self.batches.inc()
+        self.model_duration.observe(model_seconds)
+        for waited in queue_waits:
+            self.queue_wait.observe(waited)
+        self._record_gpu_memory()
+
+    def on_expired(self, requests: int) -> None:
+        # Counted by count_error where the 504 is answered, which also sees the
+        # deadlines that pass while the caller waits; counting here as well
+        # would count these requests twice.
+        pass
+
+    def on_queue_depth(self, depth: int) -> None:
+        self.queue_depth.set(depth)
+
+    def on_model_loaded(self, device: str, seconds: float) -> None:
+        label = self._planned_device or device
+        self.model_load.labels(self.slot).set(seconds)
+        self.worker_info.labels(self.slot, label).set(1)
+        if device.startswith("cuda"):
+            self._gpu = (device, label)
+            self._record_gpu_memory()
+
+    def _record_gpu_memory(self) -> None:
+        if self._gpu is None:
+            return
+        device, label = self._gpu
+        allocated, reserved = self._gpu_memory(device)
+        self.gpu_allocated.labels(self.slot, label).set(allocated)
+        self.gpu_reserved.labels(self.slot, label).set(reserved)
+
+    # -- exposition ---------------------------------------------------------------
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every worker's metrics."""
+        # Other workers' GPU figures are as of their last batch; this one's is fresh.
+        self._record_gpu_memory()
+        if self.registry is not None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=self.multiproc_dir)  # type: ignore[no-untyped-call]
+        return generate_latest(registry)
+
+
+def _counter(registry: CollectorRegistry | None, name: str, doc: str, *labels: str) -> Counter:
+    return Counter(name, doc, labels, registry=registry)
+
+
+def _gauge(
+    registry: CollectorRegistry | None, name: str, doc: str, *labels: str, per_worker: bool = False
+) -> Gauge:
+    # Both modes drop a dead worker's values: its queue and requests are gone with it.
+    mode: Literal["liveall", "livesum"] = "liveall" if per_worker else "livesum"
+    return Gauge(name, doc, labels, registry=registry, multiprocess_mode=mode)
+
+
+def _histogram(
+    registry: CollectorRegistry | None,
+    name: str,
+    doc: str,
+    *labels: str,
+    buckets: tuple[float, ...] = SECONDS_BUCKETS,
+) -> Histogram:
+    return Histogram(name, doc, labels, buckets=buckets, registry=registry)
+
+
+def _metrics_view() -> Response:
+    metrics: Metrics = current_app.extensions[EXTENSION]
+    return Response(metrics.render(), content_type=CONTENT_TYPE_LATEST)
+
+
+def cuda_memory(device: str) -> tuple[int, int]:
+    import torch
+
+    return int(torch.cuda.memory_allocated(device)), int(torch.cuda.memory_reserved(device))
+
+
+def _check_multiprocess(path: str) -> None:
+    if not getattr(values.ValueClass, "_multiprocess", False):
+        raise SettingsError(
+            f"PROMETHEUS_MULTIPROC_DIR={path!r} was set after prometheus_client was imported, so this "
+            "process would keep its metrics to itself; set it before the process starts "
+            "(gunicorn_conf.py does so for its workers)"
+        )
+    if not os.path.isdir(path):
+        raise SettingsError(
+            f"PROMETHEUS_MULTIPROC_DIR={path!r} is not a directory; create it, or leave the variable "
+            "unset and gunicorn_conf.py creates a fresh one"
+        )
