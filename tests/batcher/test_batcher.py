@@ -179,8 +179,9 @@ def test_an_expired_request_is_dropped_before_inference(gated: GatedPredict, cle
     gated.wait_entered()
     expired = batcher.submit(["late"], time.monotonic())  # its deadline has already passed
     gated.gate.set()
-    with pytest.raises(DeadlineExceeded, match="in the queue"):
+    with pytest.raises(DeadlineExceeded, match="in the queue") as raised:
         wait_result(expired.future, 10)
+    assert raised.value.reason == "expired_in_queue"
     assert all("late" not in b for b in gated.batches)
 
 
@@ -190,11 +191,13 @@ def test_a_caller_that_times_out_leaves_nothing_behind(gated: GatedPredict, clea
     running = batcher.submit(["first"], FAR)
     gated.wait_entered()
     queued = batcher.submit(["queued"], FAR)
-    with pytest.raises(DeadlineExceeded):
+    with pytest.raises(DeadlineExceeded) as in_queue:
         wait_result(queued.future, 0)
     assert queued.future.cancelled()
-    with pytest.raises(DeadlineExceeded):
+    assert in_queue.value.reason == "expired_in_queue"
+    with pytest.raises(DeadlineExceeded) as in_batch:
         wait_result(running.future, 0)  # running: cannot cancel; its result is dropped
+    assert in_batch.value.reason == "expired_in_batch"
     gated.gate.set()
     assert batcher.stop(timeout=10)
     assert running.future.result(timeout=0) == ["out:first"]
@@ -209,8 +212,9 @@ def test_a_full_queue_refuses_at_once(gated: GatedPredict, cleanup: list[Batcher
     gated.wait_entered()
     batcher.submit(["q1"], FAR)
     batcher.submit(["q2"], FAR)
-    with pytest.raises(Overloaded, match="queue is full"):
+    with pytest.raises(Overloaded, match="queue is full") as raised:
         batcher.submit(["q3"], FAR)
+    assert raised.value.reason == "queue_full"
     gated.gate.set()
 
 
@@ -224,8 +228,9 @@ def test_stop_answers_everything_accepted_then_refuses(gated: GatedPredict) -> N
     stopper.join(10)
     assert [wait_result(p.future, 10) for p in accepted] == [[f"out:{i}"] for i in range(5)]
     assert not batcher.running
-    with pytest.raises(NotReady, match="shutting down"):
+    with pytest.raises(NotReady, match="shutting down") as raised:
         batcher.submit([9], FAR)
+    assert raised.value.reason == "shutting_down"
 
 
 class TestGatherPolicy:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 from typing import Any
 
 from service import native
 
 POISON = "boom"
+HOLD = "hold"
 
 
 class EchoModel:
@@ -122,3 +124,23 @@ class GpuAllocModel:
 
 def gpu_alloc() -> GpuAllocModel:
     return GpuAllocModel()
+
+
+class HoldingModel(EchoModel):
+    """Holds a batch that contains HOLD for up to a minute, for tests across processes.
+
+    Before it holds, it creates ``$TEST_HOLD_DIR/held-<pid>`` so that an
+    end-to-end test learns which worker holds the batch (and can kill it).
+    """
+
+    name = "holding"
+
+    def predict(self, batch: list[str]) -> list[list[float]]:
+        if HOLD in batch:
+            Path(os.environ["TEST_HOLD_DIR"], f"held-{os.getpid()}").touch()
+            _pause(60)  # held until the test kills this worker
+        return super().predict(batch)
+
+
+def holding() -> HoldingModel:
+    return HoldingModel()

@@ -1,0 +1,73 @@
+"""What the batcher reports to its observer: batches, queue depth, model load."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from service.batching import Batcher, BatchObserver, GatherPolicy
+from service.waiting import wait_result
+from tests.batcher.test_batcher import FAR, GatedPredict
+
+
+class Recorder(BatchObserver):
+    def __init__(self) -> None:
+        self.batches: list[tuple[int, int, int, float]] = []
+        self.depths: list[int] = []
+
+    def on_batch(self, items: int, requests: int, queue_waits: list[float], model_seconds: float) -> None:
+        self.batches.append((items, requests, len(queue_waits), model_seconds))
+
+    def on_queue_depth(self, depth: int) -> None:
+        self.depths.append(depth)
+
+
+def started(predict: Any, observer: BatchObserver) -> Batcher:
+    batcher = Batcher(
+        predict, max_batch_size=64, queue_limit=1000, policy=GatherPolicy(adaptive=False), observer=observer
+    )
+    batcher.start()
+    return batcher
+
+
+def test_each_batch_reports_its_items_requests_and_waits() -> None:
+    gated, recorder = GatedPredict(), Recorder()
+    batcher = started(gated, recorder)
+    try:
+        first = batcher.submit(["a"], FAR)
+        gated.wait_entered()
+        queued = [batcher.submit(["b", "c"], FAR), batcher.submit(["d"], FAR)]
+        assert recorder.depths == [1, 0, 1, 2]  # the first was taken at once, the others waited
+        gated.gate.set()
+        for pending in [first, *queued]:
+            wait_result(pending.future, 10)
+    finally:
+        batcher.stop(timeout=10)
+    assert [(items, requests, waits) for items, requests, waits, _ in recorder.batches] == [
+        (1, 1, 1),
+        (3, 2, 2),
+    ]
+    assert all(seconds > 0 for *_, seconds in recorder.batches)
+    assert recorder.depths[-1] == 0
+
+
+def test_the_last_reported_depth_is_the_real_one_under_concurrent_submits() -> None:
+    recorder = Recorder()
+    batcher = started(list, recorder)
+    try:
+
+        def submit_many() -> None:
+            for i in range(50):
+                wait_result(batcher.submit([i], FAR).future, 10)
+
+        threads = [threading.Thread(target=submit_many) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    finally:
+        batcher.stop(timeout=10)
+    # Reported under the batcher's lock, so the reports come in the order of the changes.
+    assert batcher.depth == 0 and recorder.depths[-1] == 0
+    assert len(recorder.depths) == 2 * 8 * 50
+    assert sum(items for items, *_ in recorder.batches) == 8 * 50

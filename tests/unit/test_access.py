@@ -1,0 +1,137 @@
+"""Request ids, the access log line and the log formats, in process."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+
+import pytest
+from flask.testing import FlaskClient
+
+from service.access import REQUEST_ID_HEADER, request_id
+from service.logs import ACCESS_LOGGER, JsonFormatter, logging_config
+from service.settings import Settings
+
+VECTOR = [0.1 * i for i in range(16)]
+
+
+@pytest.mark.parametrize("given", ["3f2a9c0e-1b7d-4e5f-8a6b-0c1d2e3f4a5b", "a" * 128, "trace:1/span=2+x_y.z"])
+def test_a_sane_request_id_is_echoed(client: FlaskClient, given: str) -> None:
+    response = client.get("/healthz", headers={REQUEST_ID_HEADER: given})
+    assert response.headers[REQUEST_ID_HEADER] == given
+
+
+@pytest.mark.parametrize("given", ["", "a" * 129, "two words", 'quote"d', "tab\there", "naïve", "<script>"])
+def test_an_insane_request_id_is_replaced(given: str) -> None:
+    fresh = request_id(given)
+    assert fresh != given
+    assert len(fresh) == 32 and int(fresh, 16) >= 0
+
+
+def test_the_client_gets_the_replacement_id(client: FlaskClient) -> None:
+    sent = "x" * 500
+    response = client.get("/healthz", headers={REQUEST_ID_HEADER: sent})
+    assert len(response.headers[REQUEST_ID_HEADER]) == 32
+
+
+def test_every_response_gets_a_new_id_when_none_was_sent(client: FlaskClient) -> None:
+    ids = {client.get(path).headers[REQUEST_ID_HEADER] for path in ("/healthz", "/healthz", "/nope")}
+    assert len(ids) == 3
+    # Error responses carry one too, including a refusal before the route runs.
+    refused = client.post("/predict/batched", data=b"x", content_type="text/plain")
+    assert refused.status_code == 415 and refused.headers[REQUEST_ID_HEADER]
+
+
+def test_a_request_refused_by_the_token_check_still_gets_an_id_and_a_line(
+    make_client: Callable[[Settings], FlaskClient], caplog: pytest.LogCaptureFixture
+) -> None:
+    client = make_client(Settings(model="mlp", mlp_width=16, mlp_depth=1, api_token="s3cret"))
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    response = client.post("/predict", json={"inputs": [VECTOR]}, headers={REQUEST_ID_HEADER: "no-token-1"})
+    assert response.status_code == 401
+    assert response.headers[REQUEST_ID_HEADER] == "no-token-1"
+    lines = [r.fields for r in caplog.records if r.name == ACCESS_LOGGER]  # type: ignore[attr-defined]
+    assert [(f["request_id"], f["status"]) for f in lines] == [("no-token-1", 401)]
+
+
+def test_one_access_line_per_request_with_id_route_status_latency_and_batch_size(
+    client: FlaskClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    client.post("/predict/batched", json={"inputs": [VECTOR, VECTOR]}, headers={REQUEST_ID_HEADER: "req-7"})
+    client.get("/no/such\npath")
+    first, second = [r for r in caplog.records if r.name == ACCESS_LOGGER]
+
+    fields = first.fields  # type: ignore[attr-defined]
+    assert fields["request_id"] == "req-7"
+    assert (fields["method"], fields["route"], fields["status"], fields["batch_size"]) == (
+        "POST",
+        "/predict/batched",
+        200,
+        2,
+    )
+    assert fields["duration_ms"] > 0
+    line = first.getMessage()
+    for part in ('"POST /predict/batched" 200', "route=/predict/batched", "batch_size=2", "request_id=req-7"):
+        assert part in line
+
+    # A path that matched nothing is logged as one token: no forged second line.
+    assert second.fields["route"] == "unmatched" and second.fields["batch_size"] is None  # type: ignore[attr-defined]
+    assert "\n" not in second.getMessage() and "batch_size=-" in second.getMessage()
+
+
+def test_json_lines_carry_the_access_fields(client: FlaskClient, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    client.post("/predict/naive", json={"inputs": [VECTOR]}, headers={REQUEST_ID_HEADER: "json-1"})
+    (record,) = [r for r in caplog.records if r.name == ACCESS_LOGGER]
+    document = json.loads(JsonFormatter().format(record))
+    assert document["logger"] == ACCESS_LOGGER and document["level"] == "INFO"
+    assert document["request_id"] == "json-1"
+    assert (document["route"], document["status"], document["batch_size"]) == ("/predict/naive", 200, 1)
+    assert document["time"].endswith("+00:00")
+
+
+def test_json_lines_carry_exceptions() -> None:
+    try:
+        raise ValueError("bad")
+    except ValueError:
+        record = logging.LogRecord(
+            "service.x", logging.ERROR, __file__, 1, "failed %s", ("x",), sys.exc_info()
+        )
+    document = json.loads(JsonFormatter().format(record))
+    assert document["message"] == "failed x"
+    assert "ValueError: bad" in document["exception"]
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_the_logging_config_routes_access_lines_to_stdout_and_the_rest_to_stderr(log_format: str) -> None:
+    # In a child process: applying a logging config here would rewire the test run's own logging.
+    program = textwrap.dedent(
+        f"""
+        import logging, logging.config
+        from service.logs import logging_config
+        logging.config.dictConfig(logging_config({log_format!r}))
+        logging.getLogger("service.access").info("the access line")
+        logging.getLogger("service.runtime").info("a service line")
+        logging.getLogger("gunicorn.error").warning("a gunicorn line")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.count("\n") == 1 and "the access line" in done.stdout
+    assert "a service line" in done.stderr and "a gunicorn line" in done.stderr
+    assert done.stderr.count("a gunicorn line") == 1  # not printed again through the root logger
+    if log_format == "json":
+        for line in (done.stdout + done.stderr).splitlines():
+            json.loads(line)
+
+
+def test_logging_config_is_a_valid_document() -> None:
+    config = logging_config("json")
+    assert config["formatters"]["serve"] == {"()": "service.logs.JsonFormatter"}
+    assert "gunicorn.access" not in config["loggers"]  # left to gunicorn, whose access log stays off
