@@ -99,7 +99,7 @@ class Metrics(BatchObserver):
         self.batch_size = _histogram(
             r, "serve_batch_size_items", "Items in each batch the model ran.", buckets=BATCH_SIZE_BUCKETS
         )
-        self.items = _counter(r, "serve_batch_items_total", "Items the batcher ran through the model.")
+        self.items = _counter(r, "serve_inferred_items_total", "Items the batcher ran through the model.")
         self.batches = _counter(r, "serve_batches_total", "Batches the batcher ran through the model.")
         self.queue_depth = _gauge(
             r, "serve_batch_queue_depth", "Batched requests queued, not yet in a batch."

@@ -88,11 +88,11 @@ def test_counters_equal_what_was_sent_over_both_workers(two_workers: Server) -> 
     assert sent(REQUESTS, route="/predict/batched", code="400") == 2
     assert sent(REQUESTS, route="unmatched", code="404") == 2
     assert sent("serve_http_request_duration_seconds_count", route="/predict/batched") == 7 + 24 + 2
-    assert sent("serve_batch_items_total") == 7 * 2 + 3 * 3 + 24
+    assert sent("serve_inferred_items_total") == 7 * 2 + 3 * 3 + 24
     assert sent("serve_batch_queue_wait_seconds_count") == 7 + 3 + 24
     # However the 24 concurrent requests were batched, the histogram and the counters agree.
     assert after.total("serve_batch_size_items_count") == after.total("serve_batches_total")
-    assert after.total("serve_batch_size_items_sum") == after.total("serve_batch_items_total")
+    assert after.total("serve_batch_size_items_sum") == after.total("serve_inferred_items_total")
     assert after.total("serve_batch_model_duration_seconds_count") == after.total("serve_batches_total")
     assert 7 + 3 < sent("serve_batches_total") <= 7 + 3 + 24
     # Both workers are in the one scrape, with their pids, and nothing is left in flight.

@@ -61,7 +61,7 @@ def test_request_counters_and_durations_match_what_was_sent(client: FlaskClient)
     assert s.total("serve_http_request_duration_seconds_count", route="/predict/naive") == 3
     # The naive route runs no batches; the batched routes ran 5 (one per request, sent one by one).
     assert s.total("serve_batches_total") == 5
-    assert s.total("serve_batch_items_total") == 4 * 2 + 3
+    assert s.total("serve_inferred_items_total") == 4 * 2 + 3
     assert s.total("serve_batch_queue_wait_seconds_count") == 5
     assert s.total("serve_batch_model_duration_seconds_count") == 5
     # This scrape is in flight while it renders; nothing else is.
@@ -75,7 +75,7 @@ def test_batch_size_histogram_agrees_with_the_counters(client: FlaskClient) -> N
         client.post("/predict/batched", json={"inputs": [VECTOR] * size})
     s = scrape(client)
     assert s.total("serve_batch_size_items_count") == s.total("serve_batches_total") == len(sizes)
-    assert s.total("serve_batch_size_items_sum") == s.total("serve_batch_items_total") == sum(sizes)
+    assert s.total("serve_batch_size_items_sum") == s.total("serve_inferred_items_total") == sum(sizes)
     assert s.total("serve_batch_size_items_bucket", le="4.0") == 3  # 1, 3 and 2 items
     assert s.total("serve_batch_size_items_bucket", le="+Inf") == len(sizes)
 
@@ -165,7 +165,7 @@ def test_queue_depth_and_in_flight_gauges_follow_held_requests(held: Callable[[S
     done = scrape(echo.client)
     assert done.total("serve_batch_queue_depth") == 0
     assert done.total("serve_http_requests_in_flight") == 1
-    assert done.total("serve_batch_items_total") == 3
+    assert done.total("serve_inferred_items_total") == 3
     assert done.total("serve_batch_size_items_count") == done.total("serve_batches_total") == 2
 
 
@@ -255,7 +255,7 @@ def test_multiprocess_counters_keep_dead_workers_and_gauges_drop_them(
 
     alive = Scrape.parse(workers[101].render())
     assert alive.total("serve_http_requests_total", route="/predict", code="200") == 2
-    assert alive.total("serve_batch_items_total") == alive.total("serve_batch_size_items_sum") == 6
+    assert alive.total("serve_inferred_items_total") == alive.total("serve_batch_size_items_sum") == 6
     assert alive.total("serve_http_requests_in_flight") == 2
     assert alive.total("serve_batch_queue_depth") == 4
     assert sorted((s["pid"], s["slot"]) for s in alive.series("serve_worker_info")) == [
