@@ -151,5 +151,9 @@ def _share_metrics(server):
 
 def _drop_live_metrics(worker):
     # For every worker that exits, SIGKILL included: its gauges leave the sums,
-    # its counters stay.
-    multiproc.mark_dead(os.environ[METRICS_DIR_ENV], worker.pid)
+    # its counters stay. The variable is read back rather than kept in this
+    # module because a reload (SIGHUP) runs this file afresh; it is unset only
+    # where on_starting never ran.
+    path = os.environ.get(METRICS_DIR_ENV)
+    if path:
+        multiproc.mark_dead(path, worker.pid)
