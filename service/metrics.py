@@ -17,8 +17,11 @@
 #   live in this app's own registry, which /metrics renders.
 # - Threads: request threads record through the HTTP hooks (service.access),
 #   the batch thread and the loader thread through the BatchObserver methods.
-#   prometheus_client holds a lock only for the length of one update; under
-#   gevent those are gevent locks, which are safe across native threads.
+#   prometheus_client holds a lock only for the length of one update, with no
+#   switch to another greenlet inside. Under gunicorn its locks are native OS
+#   locks even in a gevent worker, because gunicorn_conf.py imports it in the
+#   master, before gevent patches the forked worker: the batch thread and the
+#   greenlets share them as they share service.native's.
 
 """Prometheus metrics of the service, aggregated over all gunicorn workers."""
 

@@ -32,9 +32,10 @@ VECTOR = [0.5] * 16
 REQUESTS = "serve_http_requests_total"
 
 
-@pytest.fixture(scope="module")
-def two_workers() -> Iterator[Server]:
-    with gunicorn(TWO_MLP_WORKERS) as server:
+@pytest.fixture(scope="module", params=["gthread", "gevent"])
+def two_workers(request: pytest.FixtureRequest) -> Iterator[Server]:
+    # Under gevent the batch thread and the request greenlets share the metrics' locks.
+    with gunicorn({**TWO_MLP_WORKERS, "SERVE_WORKER_CLASS": request.param}) as server:
         yield server
 
 
@@ -155,6 +156,8 @@ def test_a_killed_workers_counters_stay_and_its_gauges_go(tmp_path: Path) -> Non
         assert held_pid in answered, f"worker {held_pid} holds the batch but never answered /info"
 
         busy = scrape(server)
+        slots = {int(s["pid"]): s["slot"] for s in busy.series("serve_worker_info")}
+        assert sorted(slots.values()) == ["0", "1"]
         assert busy.total("serve_http_requests_in_flight") == 2  # the held request and this scrape
         assert busy.total("serve_batch_queue_depth") == 0  # it was taken into its batch
         counted = {
@@ -167,6 +170,8 @@ def test_a_killed_workers_counters_stay_and_its_gauges_go(tmp_path: Path) -> Non
         assert held_outcome and not isinstance(held_outcome[0], int), held_outcome
 
         after = _wait_for_replacement(server, gone=held_pid)
+        # The replacement took the dead worker's slot.
+        assert sorted(s["slot"] for s in after.series("serve_worker_info")) == ["0", "1"]
         # The dead worker's requests are still counted, the one it died holding is not...
         assert {
             route: after.total(REQUESTS, route=route, code="200") for route in ("/info", "/predict/batched")
