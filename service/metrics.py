@@ -2,17 +2,18 @@
 # - Metric objects are created per app, by Metrics() in create_app, which runs
 #   in the worker; none exist at import. prometheus_client picks where values
 #   live when it is first imported (mmap files under PROMETHEUS_MULTIPROC_DIR
-#   when that variable is set, else memory) and opens this process's files when
-#   a value is first created, so both must happen after the launcher has set
-#   the variable and after the fork. Objects per app also let the tests build
+#   when that variable is set, else memory), so the launcher sets it first; and
+#   it opens a process's files, named by pid, when a value is first created,
+#   which must happen after the fork. Objects per app also let the tests build
 #   several apps in one process, each with a registry of its own.
 # - Under gunicorn every worker writes to its own files in the shared
 #   directory. GET /metrics, answered by whichever worker took the connection,
 #   reads every worker's files through a fresh CollectorRegistry and
 #   MultiProcessCollector. Counters and histograms sum over every worker that
-#   ran since the master started, dead ones included; gauges ('livesum') sum
-#   over live workers only, because the master's child_exit hook deletes a dead
-#   worker's live-gauge files (service.multiproc.mark_dead).
+#   ran since the master started, dead ones included; gauges count live
+#   workers only ('livesum' adds them up, 'liveall' keeps one series per pid),
+#   because the master's child_exit hook deletes a dead worker's live-gauge
+#   files (service.multiproc.mark_dead).
 # - Outside gunicorn (settings.prometheus_multiproc_dir is None) the values
 #   live in this app's own registry, which /metrics renders.
 # - Threads: request threads record through the HTTP hooks (service.access),
