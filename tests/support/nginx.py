@@ -27,9 +27,15 @@ class Proxy:
     log_path: Path
 
     def access_log(self) -> list[dict[str, object]]:
-        """nginx's access log, one JSON object per request."""
-        path = self.prefix / "access.log"
-        return [json.loads(line) for line in path.read_text().splitlines()]
+        """nginx's access log so far, one JSON object per request.
+
+        nginx writes a request's line once it is done with the request, which
+        can be after the client has read the response: a 413's line comes only
+        when the client has closed the connection. Wait for a line rather than
+        read the log once. A line nginx is writing at this moment is left out.
+        """
+        text = (self.prefix / "access.log").read_text()
+        return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
 
 
 @contextlib.contextmanager
