@@ -126,8 +126,10 @@ def service(url: str | None, env: dict[str, str]) -> Iterator[str]:
             time.sleep(0.2)
         yield url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
+        # Only while it runs: a reaped pid may already belong to another process group.
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
         process.wait(60)
         log.close()
 
