@@ -14,13 +14,18 @@
 # - Shutdown: stop() enqueues a sentinel behind everything already accepted, so
 #   the thread drains the queue, answers every request, then exits; submit()
 #   refuses new work from that moment.
+# - Faults: if the thread dies or stalls, the watchdog (service.watchdog) calls
+#   abandon() from its own thread, which fails every request still held. Each
+#   future is completed once, by whichever side reaches it first (_claim,
+#   _fail, _deliver), so a stalled thread that wakes up later cannot answer twice.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,10 +126,13 @@ class Batcher:
         self._expected = 1
         self._model_time_s = 0.0
         self._exited = native.allocate_lock()
+        self._batch: list[Pending] = []  # the batch being run, for abandon()
         self.running = False
-        # Watchdog inputs: when the current batch started (None when idle).
+        # Watchdog inputs: when the current batch started (None when idle), and
+        # what ended the thread if something other than stop() did.
         self.busy_since: float | None = None
         self.batches_run = 0
+        self.crash: str | None = None
 
     # -- caller side ------------------------------------------------------------
 
@@ -157,12 +165,21 @@ class Batcher:
         self.running = True
         native.start_thread(self.run)
 
+    @property
+    def stopping(self) -> bool:
+        """True once stop() or abandon() was called: new work is refused."""
+        return not self._accepting
+
     def stop(self, timeout: float | None = None) -> bool:
         """Refuse new work, let the thread answer everything accepted, wait for it."""
         with self._lock:
             if self._accepting:
                 self._accepting = False
                 self._queue.put(_STOP)
+        return self.wait_exit(timeout)
+
+    def wait_exit(self, timeout: float | None = None) -> bool:
+        """Block until the batch thread has ended, for at most ``timeout`` seconds."""
         if not self.running:
             return True
         acquired = self._exited.acquire(timeout=-1 if timeout is None else timeout)
@@ -170,18 +187,43 @@ class Batcher:
             self._exited.release()
         return bool(acquired)
 
+    def abandon(self, error: ServeError) -> int:
+        """Fail every request still held with ``error`` and refuse new ones.
+
+        Called by the watchdog once the batch thread has died or stalled, when
+        nothing else would answer them. Returns how many requests it failed.
+        """
+        with self._lock:
+            self._accepting = False
+        held = list(self._batch)
+        if self._carry is not None:
+            held.append(self._carry)
+        while True:
+            try:
+                entry = self._take(0)
+            except native.Empty:
+                break
+            if entry is not _STOP:
+                held.append(entry)
+        # A thread that recovers finds the sentinel and ends instead of waiting.
+        self._queue.put(_STOP)
+        return sum(_fail(pending.future, error) for pending in held)
+
     # -- batch thread -------------------------------------------------------------
 
     def run(self) -> None:
         try:
             while (batch := self._gather()) is not None:
+                self._batch = batch
                 self.busy_since = time.monotonic()
                 try:
                     self._run_batch(batch)
                 finally:
                     self.busy_since = None
+                    self._batch = []
                     self.batches_run += 1
-        except BaseException:
+        except BaseException as exc:
+            self.crash = type(exc).__name__
             log.exception("batch thread crashed")
             raise
         finally:
@@ -240,15 +282,16 @@ class Batcher:
         now = time.monotonic()
         expired = 0
         for pending in batch:
-            if not pending.future.set_running_or_notify_cancel():
+            if not _claim(pending.future):
                 continue  # the caller gave up while it was queued
             if pending.deadline <= now:
                 waited_ms = (now - pending.enqueued_at) * 1000
-                pending.future.set_exception(
+                _fail(
+                    pending.future,
                     DeadlineExceeded(
                         f"the request's deadline passed after {waited_ms:.0f} ms in the queue",
                         reason="expired_in_queue",
-                    )
+                    ),
                 )
                 expired += 1
                 continue
@@ -263,11 +306,8 @@ class Batcher:
             self._predict_and_deliver(live)
         finally:
             for pending in live:
-                if not pending.future.done():
-                    # Unreachable unless delivery itself broke; no caller may hang on it.
-                    pending.future.set_exception(
-                        ModelError("the batch ended without a result for this request")
-                    )
+                # A no-op unless delivery itself broke; no caller may hang on it.
+                _fail(pending.future, ModelError("the batch ended without a result for this request"))
 
     def _predict_and_deliver(self, live: list[Pending]) -> None:
         items = [item for pending in live for item in pending.items]
@@ -283,7 +323,7 @@ class Batcher:
             if len(live) == 1 or isinstance(error, Overloaded):
                 for pending in live:
                     pending.batch_size = len(items)
-                    pending.future.set_exception(error)
+                    _fail(pending.future, error)
                 return
             log.warning("batch of %d requests failed (%s); re-running them one by one", len(live), exc)
             for pending in live:
@@ -302,12 +342,39 @@ class Batcher:
             result = outputs[start:end]
             bad = first_non_finite(result)
             if bad is not None:
-                pending.future.set_exception(
-                    ModelError(f"model returned a non-finite value (NaN or infinity) for input {bad}")
+                _fail(
+                    pending.future,
+                    ModelError(f"model returned a non-finite value (NaN or infinity) for input {bad}"),
                 )
             else:
-                pending.future.set_result(result)
+                _deliver(pending.future, result)
             start = end
+
+
+def _claim(future: Future[Outputs]) -> bool:
+    """Mark a queued request's future as running; False if it needs no answer.
+
+    That is when its caller cancelled it, or when the watchdog already failed
+    it (a stalled thread waking up after abandon()).
+    """
+    try:
+        return future.set_running_or_notify_cancel()
+    except RuntimeError:  # already finished
+        return False
+
+
+def _fail(future: Future[Outputs], error: BaseException) -> bool:
+    """Fail a future unless another thread already completed it; True if this call did."""
+    try:
+        future.set_exception(error)
+    except InvalidStateError:
+        return False
+    return True
+
+
+def _deliver(future: Future[Outputs], result: Outputs) -> None:
+    with contextlib.suppress(InvalidStateError):  # the watchdog already failed it
+        future.set_result(result)
 
 
 def _client_error(exc: BaseException, items: int) -> ServeError:

@@ -60,7 +60,7 @@ SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 BATCH_SIZE_BUCKETS = tuple(float(2**i) for i in range(13))
 
 # Created at zero so that rate() over them works before the first occurrence.
-REJECTION_REASONS = ("queue_full", "not_ready", "shutting_down", "gpu_out_of_memory")
+REJECTION_REASONS = ("queue_full", "not_ready", "shutting_down", "gpu_out_of_memory", "batch_thread_failed")
 TIMEOUT_REASONS = ("expired_in_queue", "expired_in_batch")
 
 _WORKER_LABELS = ("slot", "device")

@@ -1,11 +1,17 @@
 # design:
-# - ModelRuntime is the worker's Flask extension: it owns the model and the
-#   Batcher. start() runs in the worker process (never in the gunicorn master);
-#   it sets torch's thread counts and, on a GPU, the worker's share of its
-#   memory, then loads the model in a new OS thread so that /healthz answers
-#   while the weights load, and starts the batch thread once the model is ready.
+# - ModelRuntime is the worker's Flask extension: it owns the model, the
+#   Batcher and its Watchdog. start() runs in the worker process (never in the
+#   gunicorn master); it sets torch's thread counts and, on a GPU, the worker's
+#   share of its memory, then loads the model in a new OS thread so that
+#   create_app() returns at once, and starts the batch thread and the watchdog
+#   once the model is ready. wait_loaded() lets a host hold back traffic until
+#   then (service.lifecycle does, under gunicorn).
 # - Request threads read ``model`` and ``batcher`` only after ``ready`` says so;
 #   both are assigned once and never replaced.
+# - A batch thread that dies or stalls is a fault (service.watchdog): from the
+#   watchdog's thread, the runtime marks itself not ready for good, fails every
+#   request the batcher holds with 503, and calls ``on_fault``, which the host
+#   sets to replace the worker. Left unset, the process stays up, not ready.
 # - stop() asks the batcher to drain; see service.batching.
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from flask import Flask
@@ -25,6 +32,7 @@ from service.models import Model, load_model
 from service.models.base import Outputs
 from service.outputs import check_outputs
 from service.settings import Settings
+from service.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +49,10 @@ class ModelRuntime:
         self.load_seconds: float | None = None
         self.pid = os.getpid()
         self.device = "cpu"
+        # What the host does after a batch-thread fault, e.g. exit the worker.
+        self.on_fault: Callable[[str], None] | None = None
+        self._loading = native.allocate_lock()
+        self._loading.acquire()  # released once the model has loaded or failed to
 
     def init_app(self, app: Flask) -> None:
         app.extensions[EXTENSION] = self
@@ -54,10 +66,24 @@ class ModelRuntime:
         except RuntimeError as exc:
             log.error("cannot use the planned device: %s", exc)
             self.failure = str(exc)
+            self._loading.release()  # nothing will load: wait_loaded() must not wait
             return
         native.start_thread(self._load)
 
+    def wait_loaded(self, timeout: float) -> bool:
+        """Block until the model has loaded or failed to, for at most ``timeout`` seconds."""
+        if self._loading.acquire(timeout=timeout):
+            self._loading.release()
+            return True
+        return False
+
     def _load(self) -> None:
+        try:
+            self._load_model()
+        finally:
+            self._loading.release()
+
+    def _load_model(self) -> None:
         started = time.monotonic()
         try:
             model = load_model(self.settings, self.device)
@@ -80,7 +106,18 @@ class ModelRuntime:
         batcher.start()
         self.model, self.batcher = model, batcher
         self.observer.on_model_loaded(model.device, self.load_seconds)
+        Watchdog(batcher, limit_s=self.settings.stall_limit_s, on_fault=self._fault).start()
         log.info("model %s loaded on %s in %.1f s", model.name, model.device, self.load_seconds)
+
+    def _fault(self, reason: str) -> None:
+        """The batch thread died or stalled (called from the watchdog's thread)."""
+        self.failure = f"the batch thread {reason}; this worker is being replaced"
+        if self.batcher is not None:
+            error = NotReady(f"the worker's batch thread {reason}; retry", reason="batch_thread_failed")
+            failed = self.batcher.abandon(error)
+            log.error("answered the %d requests the batcher held with 503", failed)
+        if self.on_fault is not None:
+            self.on_fault(reason)
 
     def readiness(self) -> str | None:
         """None when ready to serve, else why not."""
@@ -114,7 +151,11 @@ class ModelRuntime:
         return batcher.submit(items, deadline)
 
     def stop(self, timeout: float | None = None) -> bool:
-        return self.batcher.stop(timeout) if self.batcher is not None else True
+        """Drain the batcher: answer every accepted request, then end its thread."""
+        if self.batcher is None:
+            return True
+        # After a fault the thread may never end; its requests have had their 503.
+        return self.batcher.stop(0 if self.failure is not None else timeout)
 
 
 def configure_torch(threads: int | None) -> None:

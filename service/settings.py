@@ -196,6 +196,13 @@ class Settings:
             return None
         return tuple(int(part.partition(":")[2]) for part in self.devices.split(","))
 
+    @property
+    def stall_limit_s(self) -> float:
+        """How long one batch may run before the watchdog declares the batch thread stuck."""
+        # Twice the request timeout: after one, every caller of the batch has had
+        # its 504, so a batch still running after two is not merely slow.
+        return max(1.0, 2 * self.request_timeout_ms / 1000)
+
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
 
