@@ -11,7 +11,7 @@ Each hook below calls one helper per concern; add a concern by adding a line.
 import os
 import sys
 
-from service import multiproc
+from service import lifecycle, multiproc
 from service.errors import SettingsError
 from service.inventory import read_inventory
 from service.logs import logging_config
@@ -76,6 +76,16 @@ def pre_fork(server, worker):
 
 def post_fork(server, worker):
     _enter_slot(server, worker)
+
+
+def post_worker_init(worker):
+    # In the worker: serve once the model is loaded; exit if the batch thread fails.
+    lifecycle.serve_when_loaded(worker)
+
+
+def worker_exit(server, worker):
+    # In the worker, once it has stopped accepting and its requests are answered.
+    lifecycle.drain(worker)
 
 
 def child_exit(server, worker):

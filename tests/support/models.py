@@ -144,3 +144,72 @@ class HoldingModel(EchoModel):
 
 def holding() -> HoldingModel:
     return HoldingModel()
+
+
+class ScriptedModel:
+    """A text model whose items are commands, for fault tests against real gunicorn.
+
+    On either route: ``"sleep:S"`` holds its batch S seconds; ``"wedge"`` holds
+    it forever, like a hung kernel; ``"die"`` ends the calling thread with
+    SystemExit (send it to the batched route only: it kills the batch thread).
+    Queries, best sent to the naive route so they do not queue: ``"busy"``
+    answers how many predict calls are in progress, ``"seen:X"`` 1.0 if an item
+    X ever reached predict, ``"pid"`` the worker's pid. Any other text answers
+    its length.
+    """
+
+    name = "scripted"
+    item_kind = "text"
+    item_shape = None
+
+    def __init__(self) -> None:
+        # Native locks: the batch thread and request greenlets share them under gevent.
+        self._lock = native.allocate_lock()
+        self._seen: set[str] = set()
+        self._busy = 0
+        self._wedge = native.allocate_lock()
+        self._wedge.acquire()  # held until unwedge(), which only an in-process test calls
+
+    def prepare(self, item: Any) -> str:
+        if not isinstance(item, str):
+            raise ValueError("expected a string")
+        return item
+
+    def predict(self, batch: list[str]) -> list[list[float]]:
+        with self._lock:
+            self._seen.update(batch)
+            self._busy += 1
+        try:
+            if "die" in batch:
+                raise SystemExit("injected batch-thread death")
+            if "wedge" in batch:
+                self._wedge.acquire()
+                self._wedge.release()
+            _pause(max((float(item[6:]) for item in batch if item.startswith("sleep:")), default=0.0))
+            return [[self._answer(item)] for item in batch]
+        finally:
+            with self._lock:
+                self._busy -= 1
+
+    def _answer(self, item: str) -> float:
+        with self._lock:
+            if item == "busy":
+                return float(self._busy - 1)  # not counting this call
+            if item.startswith("seen:"):
+                return float(item[5:] in self._seen)
+        if item == "pid":
+            return float(os.getpid())
+        return float(len(item))
+
+    def unwedge(self) -> None:
+        self._wedge.release()
+
+
+def scripted() -> ScriptedModel:
+    return ScriptedModel()
+
+
+def scripted_slow_start() -> ScriptedModel:
+    """A ScriptedModel that takes 2 s to load, like a model reading large weights."""
+    _pause(2.0)
+    return ScriptedModel()

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import requests
 
+from tests.support.procs import children
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -30,6 +32,14 @@ class Server:
     url: str
     process: subprocess.Popen[bytes]
     log_path: Path
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def workers(self) -> list[int]:
+        """The master's worker pids now."""
+        return children(self.process.pid)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
