@@ -25,7 +25,9 @@ def create_app(settings: Settings | None = None) -> Flask:
     """
     settings = settings if settings is not None else Settings.from_env()
     app = Flask("service")
-    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    # One byte over the limit, so that a chunked body (no Content-Length) that
+    # is too long shows it: werkzeug silently stops reading at this many bytes.
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes + 1
     metrics = Metrics(settings)
     metrics.init_app(app)
     # Before the blueprint, whose token check may refuse a request: see access.init_app.
@@ -51,6 +53,7 @@ def _register_error_handlers(app: Flask, settings: Settings, metrics: Metrics) -
 
     @app.errorhandler(RequestEntityTooLarge)
     def too_large(exc: RequestEntityTooLarge) -> Response:
+        # Content-Length over MAX_CONTENT_LENGTH: refused before the body is read.
         return json_response(
             {"error": f"the request body is over {settings.max_body_bytes} bytes (SERVE_MAX_BODY_BYTES)"}, 413
         )

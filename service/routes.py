@@ -7,8 +7,9 @@ import time
 
 import orjson
 from flask import Blueprint, Response, current_app, g, request
+from werkzeug.exceptions import HTTPException
 
-from service.errors import BadRequest, Unauthorized
+from service.errors import BadRequest, PayloadTooLarge, Unauthorized
 from service.models import Model, describe
 from service.models.base import Outputs
 from service.payload import parse_inputs, render_outputs
@@ -57,9 +58,25 @@ def _deadline(started: float) -> float:
     return started + limit_ms / 1000
 
 
+def _read_body() -> bytes:
+    try:
+        return request.get_data(cache=False)
+    except HTTPException:
+        raise  # werkzeug's own: 413 for a body over the limit, 400 for a client gone mid-body
+    except Exception as exc:
+        # The server could not decode the body's framing (gunicorn raises its
+        # InvalidChunkSize on a malformed chunked body): the client's fault, not ours.
+        raise BadRequest(f"the request body could not be read ({type(exc).__name__})") from None
+
+
 def _parse(rt: ModelRuntime) -> tuple[Model, list[object]]:
     model, _ = rt.require_ready()
-    body = request.get_data(cache=False)
+    body = _read_body()
+    limit = rt.settings.max_body_bytes
+    if len(body) > limit:
+        # A chunked body has no Content-Length to refuse up front; werkzeug stops
+        # reading it one byte past the limit (MAX_CONTENT_LENGTH is limit + 1).
+        raise PayloadTooLarge(f"the request body is over {limit} bytes (SERVE_MAX_BODY_BYTES)")
     return model, parse_inputs(body, request.content_type, model, rt.settings.max_items_per_request)
 
 
