@@ -1,0 +1,50 @@
+"""The soak script's 60-second version: overload, bad requests, a SIGKILL and a SIGHUP, nothing lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.server import ROOT
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+def test_a_one_minute_soak_gets_no_other_5xx_and_loses_nothing(tmp_path: Path) -> None:
+    report = tmp_path / "soak.json"
+    # A wider MLP than the default, so that the model, not the test client, limits capacity.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")}
+    env.update({"SERVE_MLP_WIDTH": "1024", "SERVE_MLP_DEPTH": "8", "SERVE_MAX_QUEUE": "64"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "scripts/soak.py",
+            "--duration",
+            "60",
+            "--model",
+            "mlp",
+            "--workers",
+            "2",
+            "--json",
+            str(report),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=380,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(report.read_text())
+    outcomes = result["outcomes"]
+    assert outcomes["other 5xx"] == 0 and outcomes["lost"] == 0
+    assert outcomes["2xx"] > 0 and outcomes["4xx"] > 0
+    assert result["sent"] == sum(outcomes.values())
+    assert [line.split()[2] for line in result["faults"]] == ["SIGKILL", "SIGHUP"]
+    assert result["seconds"] < 90, "the soak must end on time"
