@@ -155,8 +155,15 @@ def test_a_burst_of_timeouts_leaves_nothing_behind() -> None:
         assert batched(server, "ok").status_code == 200
 
 
-def test_sigterm_finishes_every_queued_and_running_request() -> None:
-    env = {**SCRIPTED, "SERVE_WORKERS": "1", "SERVE_MAX_BATCH_SIZE": "1", "SERVE_MAX_QUEUE": "16"}
+@pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
+def test_sigterm_finishes_every_queued_and_running_request(worker_class: str) -> None:
+    env = {
+        **SCRIPTED,
+        "SERVE_WORKER_CLASS": worker_class,
+        "SERVE_WORKERS": "1",
+        "SERVE_MAX_BATCH_SIZE": "1",
+        "SERVE_MAX_QUEUE": "16",
+    }
     with gunicorn(env) as server, ThreadPoolExecutor(8) as pool:
         accepted = [pool.submit(batched, server, "sleep:2")]
         eventually(lambda: ask(server, "busy") == 1, "the model is busy")
