@@ -58,7 +58,10 @@ def drain(worker: Any) -> None:
     if runtime is None:
         return
     # gunicorn's own logger: its error log is where a worker's exit is reported.
+    pid = os.getpid()
+    if runtime.failure is not None:
+        worker.log.warning("Exiting: %s (pid: %s)", runtime.failure, pid)
     if runtime.stop(timeout=worker.cfg.graceful_timeout):
-        worker.log.info("Batcher drained (pid: %s)", os.getpid())
+        worker.log.info("Batcher drained (pid: %s)", pid)
     else:
-        worker.log.warning("Batch thread did not end; exiting without it (pid: %s)", os.getpid())
+        worker.log.warning("Batch thread did not end; exiting without it (pid: %s)", pid)

@@ -146,6 +146,7 @@ class Settings:
     max_body_bytes: int = 1 << 20
     max_queue: int | None = None
     request_timeout_ms: int = 30_000
+    stall_timeout_ms: int | None = None
     mlp_width: int = 256
     mlp_depth: int = 8
     mlp_seed: int = 0
@@ -199,9 +200,12 @@ class Settings:
     @property
     def stall_limit_s(self) -> float:
         """How long one batch may run before the watchdog declares the batch thread stuck."""
+        if self.stall_timeout_ms is not None:
+            return self.stall_timeout_ms / 1000
         # Twice the request timeout: after one, every caller of the batch has had
-        # its 504, so a batch still running after two is not merely slow.
-        return max(1.0, 2 * self.request_timeout_ms / 1000)
+        # its 504, so a batch still running after two is not merely slow. At least
+        # 10 s, so that a short client deadline never makes a slow model look hung.
+        return max(10.0, 2 * self.request_timeout_ms / 1000)
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -217,6 +221,7 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "max_body_bytes": ("SERVE_MAX_BODY_BYTES", _integer(1024, 1 << 30)),
     "max_queue": ("SERVE_MAX_QUEUE", _integer(1, 1_000_000)),
     "request_timeout_ms": ("SERVE_REQUEST_TIMEOUT_MS", _integer(1, 3_600_000)),
+    "stall_timeout_ms": ("SERVE_STALL_TIMEOUT_MS", _integer(100, 86_400_000)),
     "mlp_width": ("SERVE_MLP_WIDTH", _integer(1, 65_536)),
     "mlp_depth": ("SERVE_MLP_DEPTH", _integer(1, 1024)),
     "mlp_seed": ("SERVE_MLP_SEED", _integer(0, 2**31 - 1)),

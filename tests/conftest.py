@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -16,9 +15,7 @@ SMALL_MLP = Settings(model="mlp", mlp_width=16, mlp_depth=2, max_items_per_reque
 
 def wait_until_ready(app: Flask, timeout: float = 60) -> ModelRuntime:
     runtime: ModelRuntime = app.extensions[EXTENSION]
-    deadline = time.monotonic() + timeout
-    while runtime.readiness() == "the model is loading" and time.monotonic() < deadline:
-        time.sleep(0.01)  # the loader thread offers no event; loading takes milliseconds here
+    runtime.wait_loaded(timeout)
     return runtime
 
 

@@ -211,8 +211,12 @@ def test_sigkill_of_a_worker_fails_only_the_requests_it_held() -> None:
 
 @pytest.mark.parametrize("fault", ["die", "wedge"])
 def test_a_batcher_fault_turns_readyz_503_and_the_worker_is_replaced(fault: str) -> None:
-    # Request timeout 500 ms, so the watchdog calls a batch stuck after 1 s.
-    env = {**SCRIPTED, "SERVE_WORKERS": "1", "SERVE_REQUEST_TIMEOUT_MS": "500"}
+    env = {
+        **SCRIPTED,
+        "SERVE_WORKERS": "1",
+        "SERVE_REQUEST_TIMEOUT_MS": "500",
+        "SERVE_STALL_TIMEOUT_MS": "1000",
+    }
     with gunicorn(env) as server:
         first = ask(server, "pid")
         # A kept-alive connection still reaches the faulty worker while it winds down.

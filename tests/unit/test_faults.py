@@ -14,7 +14,7 @@ from service import lifecycle
 from service.runtime import EXTENSION, ModelRuntime
 from service.settings import Settings
 
-SCRIPTED = Settings(model="tests.support.models:scripted", request_timeout_ms=200)
+SCRIPTED = Settings(model="tests.support.models:scripted", request_timeout_ms=200, stall_timeout_ms=1000)
 
 
 def test_a_dead_batch_thread_turns_readyz_503_and_refuses_work(
@@ -42,7 +42,7 @@ def test_a_dead_batch_thread_turns_readyz_503_and_refuses_work(
 
 
 def test_a_stalled_batch_thread_turns_readyz_503(make_client: Callable[[Settings], FlaskClient]) -> None:
-    client = make_client(SCRIPTED)  # stall limit: 1 s
+    client = make_client(SCRIPTED)
     runtime: ModelRuntime = client.application.extensions[EXTENSION]
     reported = threading.Event()
     runtime.on_fault = lambda reason: reported.set()

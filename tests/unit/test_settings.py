@@ -33,6 +33,14 @@ def test_values_are_parsed_and_typed() -> None:
     assert settings.queue_limit == 10
 
 
+def test_the_stall_limit_follows_the_request_timeout_unless_set() -> None:
+    assert Settings().stall_limit_s == 60
+    assert Settings(request_timeout_ms=100).stall_limit_s == 10  # a short deadline is not a hang
+    assert Settings.from_env({"SERVE_STALL_TIMEOUT_MS": "1500"}).stall_limit_s == 1.5
+    with pytest.raises(SettingsError, match="SERVE_STALL_TIMEOUT_MS must be an integer from 100 to"):
+        Settings.from_env({"SERVE_STALL_TIMEOUT_MS": "50"})
+
+
 def test_an_empty_value_means_the_default() -> None:
     assert Settings.from_env({"SERVE_MAX_BATCH_SIZE": ""}).max_batch_size == 64
 
