@@ -171,8 +171,15 @@ def test_sigterm_finishes_every_queued_and_running_request(worker_class: str) ->
         eventually(lambda: queue_depth(server) == 7, "one request runs and seven are queued")
         server.signal(signal.SIGTERM)
         assert [f.result().status_code for f in accepted] == [200] * 8
-        assert server.process.wait(30) == 0
-        assert "Batcher drained" in server.log()
+        # The clients keep their connections alive. gthread lets a stopping worker's idle
+        # kept-alive connections linger 2 s at most; gevent keeps them open until
+        # `keepalive` runs out, so the master kills that worker at graceful_timeout, once
+        # it has answered everything (see the README).
+        if worker_class == "gthread":
+            assert server.process.wait(30) == 0
+            assert "Batcher drained" in server.log()
+        else:
+            assert server.process.wait(60) == 0
 
 
 def test_sighup_replaces_workers_without_a_failed_request() -> None:
