@@ -239,12 +239,13 @@ def test_a_batcher_fault_turns_readyz_503_and_the_worker_is_replaced(fault: str)
                 except requests.ConnectionError:
                     return False
                 seen.append((ready.status_code, ready.json().get("error", "")))
-                if ready.status_code != 200:
+                # Only the probe's kept-alive connection reaches the failing worker once it
+                # stops accepting, so nothing else is asked until it has answered 503.
+                if ready.status_code != 200 or 503 not in [status for status, _ in seen]:
                     return False
-                pid = requests.post(server.url + "/predict/naive", json={"inputs": ["pid"]}, timeout=30)
-                return pid.status_code == 200 and pid.json()["outputs"] != [[first]]
+                return ask(server, "pid") != first
 
-            eventually(replaced, "a new worker is ready")
+            eventually(replaced, "/readyz turned 503, then a new worker was ready")
             assert faulty.result().status_code == (500 if fault == "die" else 504)
         not_ready = [error for status, error in seen if status == 503]
         assert not_ready, f"/readyz never answered 503: {seen}"
