@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,11 +59,11 @@ class GatherPolicy:
 
     ``delay_s`` > 0 is the classic fixed window, counted from the first request's
     arrival. With no fixed window, ``adaptive`` waits only while more requests are
-    expected (the previous batch held more than the current one does yet), and for
-    at most ``fraction`` of a model call: closed-loop clients answered together
-    come back within a few milliseconds of each other, and gathering them costs
-    far less than running the first alone while the rest wait a whole model call.
-    A lone client's batches hold one request, so it never waits.
+    expected than the batch holds yet, and for at most ``fraction`` of a model call
+    counted from when gathering began. Closed-loop clients answered together come
+    back within a few milliseconds of each other, and gathering them costs far
+    less than running the first alone while the rest wait a whole model call. A
+    lone client is never expected to send more, so it never waits.
     """
 
     delay_s: float = 0.0
@@ -72,12 +72,13 @@ class GatherPolicy:
     max_wait_s: float = 0.05
 
     def deadline(
-        self, *, first_arrival: float, now: float, requests: int, expected: int, model_time_s: float
+        self, *, first_arrival: float, gather_start: float, requests: int, expected: int, model_time_s: float
     ) -> float | None:
+        """Until when to wait for the next request; None: take only what is queued."""
         if self.delay_s > 0:
             return first_arrival + self.delay_s
         if self.adaptive and requests < expected and model_time_s > 0:
-            return now + min(self.fraction * model_time_s, self.max_wait_s)
+            return gather_start + min(self.fraction * model_time_s, self.max_wait_s)
         return None
 
 
@@ -123,7 +124,10 @@ class Batcher:
         self._depth = 0
         self._accepting = True
         self._carry: Pending | None = None
-        self._expected = 1
+        # Gathering's estimate of how many requests come together: the last
+        # batch's count, or the requests now inside the handler, if more.
+        self._last_batch_requests = 1
+        self._in_flight = 0
         self._model_time_s = 0.0
         self._exited = native.allocate_lock()
         self._batch: list[Pending] = []  # the batch being run, for abandon()
@@ -140,6 +144,21 @@ class Batcher:
     def depth(self) -> int:
         """Requests accepted and not yet taken into a batch."""
         return self._depth
+
+    @contextlib.contextmanager
+    def in_flight(self) -> Iterator[None]:
+        """Count a request from when its handler starts until it is answered.
+
+        A request being parsed is one the batch thread may wait for: it will be
+        queued within a millisecond or two.
+        """
+        with self._lock:
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight -= 1
 
     def submit(self, items: list[Any], deadline: float) -> Pending:
         pending = Pending(items, deadline)
@@ -248,19 +267,17 @@ class Batcher:
             return None
         batch = [first]
         size = len(first.items)
-        wait_until: float | None = None
+        gather_start = time.monotonic()
         while size < self._max_batch_size:
-            now = time.monotonic()
-            if wait_until is None:
-                wait_until = self._policy.deadline(
-                    first_arrival=first.enqueued_at,
-                    now=now,
-                    requests=len(batch),
-                    expected=self._expected,
-                    model_time_s=self._model_time_s,
-                )
+            wait_until = self._policy.deadline(
+                first_arrival=first.enqueued_at,
+                gather_start=gather_start,
+                requests=len(batch),
+                expected=max(self._last_batch_requests, self._in_flight),
+                model_time_s=self._model_time_s,
+            )
             try:
-                nxt = self._take(0 if wait_until is None else max(0.0, wait_until - now))
+                nxt = self._take(0 if wait_until is None else max(0.0, wait_until - time.monotonic()))
             except native.Empty:
                 break
             if nxt is _STOP:
@@ -272,9 +289,6 @@ class Batcher:
                 break
             batch.append(nxt)
             size += len(nxt.items)
-            if self._policy.delay_s <= 0 and len(batch) >= self._expected:
-                # Adaptive gathering got what it waited for; take only what is already queued.
-                wait_until = now
         return batch
 
     def _run_batch(self, batch: list[Pending]) -> None:
@@ -301,7 +315,7 @@ class Batcher:
             self._observer.on_expired(expired)
         if not live:
             return
-        self._expected = len(live)
+        self._last_batch_requests = len(live)
         try:
             self._predict_and_deliver(live)
         finally:

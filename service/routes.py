@@ -101,9 +101,11 @@ def predict_naive() -> Response:
 def predict_batched() -> Response:
     deadline = _deadline(time.monotonic())
     rt = runtime()
-    model, items = _parse(rt)
-    pending = rt.submit(items, deadline)
-    outputs = wait_result(pending.future, deadline - time.monotonic())
+    _, batcher = rt.require_ready()
+    with batcher.in_flight():
+        model, items = _parse(rt)
+        pending = rt.submit(items, deadline)
+        outputs = wait_result(pending.future, deadline - time.monotonic())
     return _predictions(model, outputs, pending.batch_size)
 
 

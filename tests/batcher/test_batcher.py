@@ -236,23 +236,65 @@ def test_stop_answers_everything_accepted_then_refuses(gated: GatedPredict) -> N
 class TestGatherPolicy:
     def test_no_wait_by_default_for_a_lone_request(self) -> None:
         policy = GatherPolicy()
-        assert policy.deadline(first_arrival=0, now=0, requests=1, expected=1, model_time_s=0.05) is None
+        assert (
+            policy.deadline(first_arrival=0, gather_start=0, requests=1, expected=1, model_time_s=0.05)
+            is None
+        )
 
     def test_fixed_delay_counts_from_the_first_arrival(self) -> None:
         policy = GatherPolicy(delay_s=0.01)
-        assert policy.deadline(first_arrival=5.0, now=5.004, requests=1, expected=1, model_time_s=0) == 5.01
+        assert (
+            policy.deadline(first_arrival=5.0, gather_start=5.004, requests=1, expected=1, model_time_s=0)
+            == 5.01
+        )
 
     def test_adaptive_waits_a_fraction_of_the_model_time_while_more_are_expected(self) -> None:
         policy = GatherPolicy(fraction=0.25, max_wait_s=1)
-        assert policy.deadline(first_arrival=0, now=2, requests=1, expected=8, model_time_s=0.04) == 2.01
+        assert (
+            policy.deadline(first_arrival=0, gather_start=2, requests=1, expected=8, model_time_s=0.04)
+            == 2.01
+        )
 
     def test_adaptive_wait_is_capped(self) -> None:
         policy = GatherPolicy(fraction=0.5, max_wait_s=0.02)
-        assert policy.deadline(first_arrival=0, now=0, requests=1, expected=8, model_time_s=10) == 0.02
+        assert (
+            policy.deadline(first_arrival=0, gather_start=0, requests=1, expected=8, model_time_s=10) == 0.02
+        )
 
     def test_adaptive_does_not_wait_before_a_model_time_is_known(self) -> None:
-        assert GatherPolicy().deadline(first_arrival=0, now=0, requests=1, expected=8, model_time_s=0) is None
+        assert (
+            GatherPolicy().deadline(first_arrival=0, gather_start=0, requests=1, expected=8, model_time_s=0)
+            is None
+        )
 
     def test_eager_never_waits(self) -> None:
         policy = GatherPolicy(adaptive=False)
-        assert policy.deadline(first_arrival=0, now=0, requests=1, expected=8, model_time_s=1) is None
+        assert (
+            policy.deadline(first_arrival=0, gather_start=0, requests=1, expected=8, model_time_s=1) is None
+        )
+
+
+def test_adaptive_gathering_waits_for_a_request_still_being_parsed(cleanup: list[Batcher]) -> None:
+    seen: list[list[Any]] = []
+    # A window far longer than the test: only the arrival of B may end it.
+    policy = GatherPolicy(fraction=1e9, max_wait_s=30)
+    batcher = started(lambda batch: seen.append(list(batch)) or batch, policy=policy)
+    cleanup.append(batcher)
+    assert wait_result(batcher.submit(["warmup"], FAR).future, 10) == ["warmup"]
+    with batcher.in_flight(), batcher.in_flight():  # A and B are both inside their handlers
+        a = batcher.submit(["a"], FAR)
+        assert not a.future.done()  # held back: B is known to be coming
+        b = batcher.submit(["b"], FAR)
+        assert wait_result(a.future, 10) == ["a"] and wait_result(b.future, 10) == ["b"]
+    assert seen[-1] == ["a", "b"]
+
+
+def test_adaptive_gathering_never_holds_a_lone_request(cleanup: list[Batcher]) -> None:
+    policy = GatherPolicy(fraction=1e9, max_wait_s=30)
+    batcher = started(lambda batch: batch, policy=policy)
+    cleanup.append(batcher)
+    for item in ("first", "second"):
+        with batcher.in_flight():
+            pending = batcher.submit([item], FAR)
+            # With a 30 s window, only a batcher that does not wait answers in time.
+            assert wait_result(pending.future, 5) == [item]
