@@ -20,6 +20,7 @@ import csv
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -69,6 +70,8 @@ def main() -> None:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "model": info["model"]["name"],
         "items_per_request": args.items,
+        "repeats": args.repeat,
+        "seconds_per_run": args.seconds,
         "offline": offline,
         "rows": [asdict(r) for r in rows],
         "generator": generator,
@@ -84,6 +87,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=10, help="measured seconds per level and route")
     p.add_argument("--warmup", type=float, default=2, help="unmeasured seconds before each level")
     p.add_argument("--items", type=int, default=1, help="items per request")
+    p.add_argument("--repeat", type=int, default=1, help="runs per level and route; the table shows medians")
     p.add_argument("--routes", default="naive,batched")
     p.add_argument("--offline-seconds", type=float, default=8)
     p.add_argument("--no-offline", action="store_true", help="skip the offline-limit measurement")
@@ -204,14 +208,16 @@ def metric_totals(url: str) -> tuple[float, float] | None:
 
 
 def sweep(url: str, body: bytes, args: argparse.Namespace) -> tuple[list[Row], str]:
+    """Every (level, route) run --repeat times, interleaved so that drift hits both routes alike."""
     from tqdm import tqdm
 
     levels = [int(c) for c in args.concurrency.split(",")]
     routes = args.routes.split(",")
-    rows = []
-    steps = [(c, route) for c in levels for route in routes]
+    runs: dict[tuple[str, int], list[Row]] = {}
+    steps = [(rep, c, route) for rep in range(args.repeat) for c in levels for route in routes]
+    generator = ""
     with tqdm(steps, desc="sweep", unit="run") as bar:
-        for clients, route in bar:
+        for _, clients, route in bar:
             bar.set_postfix_str(f"{route} x{clients}")
             target = f"{url}/predict/{route}"
             if args.warmup > 0:
@@ -219,8 +225,30 @@ def sweep(url: str, body: bytes, args: argparse.Namespace) -> tuple[list[Row], s
             before = metric_totals(url)
             result = run_load(target, body, clients, args.seconds, args.generator == "auto")
             after = metric_totals(url)
-            rows.append(to_row(route, result, args.items, before, after))
-    return rows, result.generator
+            runs.setdefault((route, clients), []).append(to_row(route, result, args.items, before, after))
+            generator = result.generator
+    return [median_row(rows) for rows in runs.values()], generator
+
+
+def median_row(rows: list[Row]) -> Row:
+    """The median of each figure over repeated runs (errors: their sum)."""
+
+    def med(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return statistics.median(known) if known else None
+
+    first = rows[0]
+    return Row(
+        route=first.route,
+        clients=first.clients,
+        rps=statistics.median(r.rps for r in rows),
+        items_per_s=statistics.median(r.items_per_s for r in rows),
+        p50_ms=statistics.median(r.p50_ms for r in rows),
+        p90_ms=statistics.median(r.p90_ms for r in rows),
+        p99_ms=statistics.median(r.p99_ms for r in rows),
+        errors=sum(r.errors for r in rows),
+        mean_batch=med([r.mean_batch for r in rows]),
+    )
 
 
 def to_row(route: str, r: LoadResult, items: int, before: Any, after: Any) -> Row:
@@ -259,7 +287,12 @@ def targets(rows: list[Row], offline: dict[str, Any] | None) -> list[tuple[str, 
 
 
 def markdown(report: dict[str, Any], rows: list[Row], offline: dict[str, Any] | None) -> str:
-    lines = [f"Model `{report['model']}`, {report['items_per_request']} item(s) per request.", ""]
+    lines = [
+        f"Model `{report['model']}`, {report['items_per_request']} item(s) per request, "
+        f"{report['seconds_per_run']:g} s per run, median of {report['repeats']} run(s), "
+        f"load from {report['generator']}.",
+        "",
+    ]
     if offline:
         lines.append(
             f"Offline limit: **{offline['items_per_s']:.0f} items/s** "
