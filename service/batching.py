@@ -124,10 +124,11 @@ class Batcher:
         self._depth = 0
         self._accepting = True
         self._carry: Pending | None = None
-        # Gathering's estimate of how many requests come together: the last
-        # batch's count, or the requests now inside the handler, if more.
-        self._last_batch_requests = 1
+        # Requests inside their handlers now, and the most there were since the
+        # last batch started: in a closed loop, the clients this worker serves,
+        # whose next requests gathering may wait for. Both change under _lock.
         self._in_flight = 0
+        self._cycle_peak = 1
         self._model_time_s = 0.0
         self._exited = native.allocate_lock()
         self._batch: list[Pending] = []  # the batch being run, for abandon()
@@ -154,6 +155,7 @@ class Batcher:
         """
         with self._lock:
             self._in_flight += 1
+            self._cycle_peak = max(self._cycle_peak, self._in_flight)
         try:
             yield
         finally:
@@ -273,7 +275,7 @@ class Batcher:
                 first_arrival=first.enqueued_at,
                 gather_start=gather_start,
                 requests=len(batch),
-                expected=max(self._last_batch_requests, self._in_flight),
+                expected=max(self._cycle_peak, self._in_flight),
                 model_time_s=self._model_time_s,
             )
             try:
@@ -315,7 +317,10 @@ class Batcher:
             self._observer.on_expired(expired)
         if not live:
             return
-        self._last_batch_requests = len(live)
+        with self._lock:
+            # Counted afresh over this batch's run: its own requests, those queued
+            # behind it and those still arriving.
+            self._cycle_peak = max(len(live), self._in_flight)
         try:
             self._predict_and_deliver(live)
         finally:
