@@ -8,6 +8,7 @@ one try.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import ipaddress
 import os
 from collections.abc import Callable, Mapping
@@ -176,6 +177,7 @@ class Settings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if environ is None else environ
+        _refuse_unknown(env)
         values: dict[str, Any] = {}
         for field_name, (var, parse) in _FIELDS.items():
             raw = env.get(var)
@@ -247,6 +249,19 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     # prometheus_client is imported, so it keeps its name.
     "prometheus_multiproc_dir": ("PROMETHEUS_MULTIPROC_DIR", _text),
 }
+
+
+_PREFIX = "SERVE_"
+
+
+def _refuse_unknown(env: Mapping[str, str]) -> None:
+    """A ``SERVE_*`` variable that is not a setting is a typo: refuse it rather than ignore it."""
+    known = [var for var, _ in _FIELDS.values()]
+    for name in sorted(env):
+        if name.startswith(_PREFIX) and name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0]}?" if close else "the README's settings table lists them"
+            raise SettingsError(f"{name} is not a setting; {hint}")
 
 
 def cuda_visible_devices(environ: Mapping[str, str] | None = None) -> str | None:

@@ -82,3 +82,37 @@ def test_forwarded_allow_ips_takes_addresses_networks_or_a_star() -> None:
 def test_forwarded_allow_ips_refuses_what_gunicorn_cannot_parse(value: str) -> None:
     with pytest.raises(SettingsError, match=r"^SERVE_FORWARDED_ALLOW_IPS must"):
         Settings.from_env({"SERVE_FORWARDED_ALLOW_IPS": value})
+
+
+@pytest.mark.parametrize(
+    ("variable", "message"),
+    [
+        ("SERVE_MAX_BATCHSIZE", "SERVE_MAX_BATCHSIZE is not a setting; did you mean SERVE_MAX_BATCH_SIZE?"),
+        ("SERVE_WORKER", "SERVE_WORKER is not a setting; did you mean SERVE_WORKERS?"),
+        (
+            "SERVE_REQUEST_TIMEOUT",
+            "SERVE_REQUEST_TIMEOUT is not a setting; did you mean SERVE_REQUEST_TIMEOUT_MS?",
+        ),
+        ("SERVE_XYZZY", "SERVE_XYZZY is not a setting; the README's settings table lists them"),
+    ],
+)
+def test_an_unknown_serve_variable_is_refused_naming_the_closest_setting(variable: str, message: str) -> None:
+    with pytest.raises(SettingsError, match="^" + message.replace("?", r"\?") + "$"):
+        Settings.from_env({variable: "8", "SERVE_MODEL": "mlp"})
+
+
+def test_an_unknown_variable_is_refused_even_when_empty() -> None:
+    with pytest.raises(SettingsError, match=r"^SERVE_MAX_BATCHSIZE is not a setting"):
+        Settings.from_env({"SERVE_MAX_BATCHSIZE": ""})
+
+
+def test_every_serve_variable_the_launcher_sets_for_a_worker_is_a_setting() -> None:
+    from service.inventory import Gpu, Inventory
+    from service.topology import plan
+
+    machine = Inventory(affinity_cores=4, gpus=(Gpu(0, "GPU-0000", "H100", 81_559, 80_000),))
+    env = {k: v for k, v in plan(Settings(), machine).worker_env(0).items() if v is not None}
+    assert {k for k in env if k.startswith("SERVE_")} >= {"SERVE_WORKER_SLOT", "SERVE_WORKER_DEVICE"}
+    worker = Settings.from_env(env)
+    assert (worker.worker_slot, worker.worker_device) == (0, "cuda:0")
+    assert worker.worker_gpu_memory_fraction is not None
