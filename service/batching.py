@@ -18,6 +18,9 @@
 #   abandon() from its own thread, which fails every request still held. Each
 #   future is completed once, by whichever side reaches it first (_claim,
 #   _fail, _deliver), so a stalled thread that wakes up later cannot answer twice.
+# - Metrics hooks (BatchObserver) run inside submit() and the batch loop; each
+#   call goes through notify(), which logs an exception and carries on, so a
+#   broken hook can neither leave the depth miscounted nor lose a request.
 
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from typing import Any
 from service import native
 from service.errors import DeadlineExceeded, ModelError, NotReady, Overloaded, ServeError
 from service.models.base import Outputs
-from service.outputs import first_non_finite
+from service.outputs import check_count, check_finite, client_error
 
 log = logging.getLogger(__name__)
 
@@ -85,16 +88,14 @@ class GatherPolicy:
 class BatchObserver:
     """Hooks for metrics. The base class ignores them.
 
-    ``on_batch`` and ``on_expired`` run in the batch thread, ``on_queue_depth``
-    in whichever thread changed the depth (under the batcher's lock, so the
-    values arrive in the order the depth took them), ``on_model_loaded`` in the
-    runtime's loader thread. Each must be quick and must not raise.
+    ``on_batch`` runs in the batch thread, ``on_queue_depth`` in whichever
+    thread changed the depth (under the batcher's lock, so the values arrive in
+    the order the depth took them), ``on_model_loaded`` in the runtime's loader
+    thread. Each must be quick. One that raises is logged and ignored (see
+    notify): a metrics fault must not lose a request or stop the batch thread.
     """
 
     def on_batch(self, items: int, requests: int, queue_waits: list[float], model_seconds: float) -> None:
-        pass
-
-    def on_expired(self, requests: int) -> None:
         pass
 
     def on_queue_depth(self, depth: int) -> None:
@@ -136,7 +137,6 @@ class Batcher:
         # Watchdog inputs: when the current batch started (None when idle), and
         # what ended the thread if something other than stop() did.
         self.busy_since: float | None = None
-        self.batches_run = 0
         self.crash: str | None = None
 
     # -- caller side ------------------------------------------------------------
@@ -176,7 +176,7 @@ class Batcher:
             # Reported under the lock: reported after it, a request thread and
             # the batch thread could report in the opposite order to their
             # changes and leave a stale depth behind.
-            self._observer.on_queue_depth(self._depth)
+            notify(self._observer.on_queue_depth, self._depth)
         self._queue.put(pending)
         return pending
 
@@ -242,7 +242,6 @@ class Batcher:
                 finally:
                     self.busy_since = None
                     self._batch = []
-                    self.batches_run += 1
         except BaseException as exc:
             self.crash = type(exc).__name__
             log.exception("batch thread crashed")
@@ -258,7 +257,7 @@ class Batcher:
         if item is not _STOP:
             with self._lock:
                 self._depth -= 1
-                self._observer.on_queue_depth(self._depth)
+                notify(self._observer.on_queue_depth, self._depth)
         return item
 
     def _gather(self) -> list[Pending] | None:
@@ -296,7 +295,6 @@ class Batcher:
     def _run_batch(self, batch: list[Pending]) -> None:
         live: list[Pending] = []
         now = time.monotonic()
-        expired = 0
         for pending in batch:
             if not _claim(pending.future):
                 continue  # the caller gave up while it was queued
@@ -309,12 +307,9 @@ class Batcher:
                         reason="expired_in_queue",
                     ),
                 )
-                expired += 1
                 continue
             pending.started_at = now
             live.append(pending)
-        if expired:
-            self._observer.on_expired(expired)
         if not live:
             return
         with self._lock:
@@ -333,12 +328,11 @@ class Batcher:
         started = time.monotonic()
         try:
             outputs = self._predict(items)
-            if len(outputs) != len(items):
-                raise ModelError(f"model returned {len(outputs)} outputs for {len(items)} inputs")
+            check_count(outputs, len(items))
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            error = _client_error(exc, len(items))
+            error = client_error(exc, len(items))
             if len(live) == 1 or isinstance(error, Overloaded):
                 for pending in live:
                     pending.batch_size = len(items)
@@ -351,20 +345,22 @@ class Batcher:
         elapsed = time.monotonic() - started
         # Smoothed so one slow batch does not stretch the next gathering window much.
         self._model_time_s = elapsed if self._model_time_s == 0 else 0.8 * self._model_time_s + 0.2 * elapsed
-        self._observer.on_batch(
-            len(items), len(live), [started - pending.enqueued_at for pending in live], elapsed
+        notify(
+            self._observer.on_batch,
+            len(items),
+            len(live),
+            [started - pending.enqueued_at for pending in live],
+            elapsed,
         )
         start = 0
         for pending in live:
             end = start + len(pending.items)
             pending.batch_size = len(items)
             result = outputs[start:end]
-            bad = first_non_finite(result)
-            if bad is not None:
-                _fail(
-                    pending.future,
-                    ModelError(f"model returned a non-finite value (NaN or infinity) for input {bad}"),
-                )
+            try:
+                check_finite(result)
+            except ModelError as refused:
+                _fail(pending.future, refused)
             else:
                 _deliver(pending.future, result)
             start = end
@@ -396,21 +392,13 @@ def _deliver(future: Future[Outputs], result: Outputs) -> None:
         future.set_result(result)
 
 
-def _client_error(exc: BaseException, items: int) -> ServeError:
-    """What the callers of a failed batch are told; the details go to the log."""
-    if isinstance(exc, ServeError):
-        return exc
-    if type(exc).__name__ == "OutOfMemoryError":  # torch.cuda.OutOfMemoryError, without importing torch
-        _release_cached_gpu_memory()
-        return Overloaded(
-            f"the GPU ran out of memory for a batch of {items} items; retry, or send fewer items",
-            reason="gpu_out_of_memory",
-        )
-    log.error("model failed on a batch of %d items", items, exc_info=exc)
-    return ModelError(f"the model failed on this request's inputs ({type(exc).__name__})")
+def notify(hook: Callable[..., None], *args: Any) -> None:
+    """Call an observer hook; one that raises is logged, never passed to the caller.
 
-
-def _release_cached_gpu_memory() -> None:
-    import torch
-
-    torch.cuda.empty_cache()
+    The hooks run where a failure would do harm: inside submit() after the depth
+    was counted, in the batch thread between taking a request and running it.
+    """
+    try:
+        hook(*args)
+    except Exception:
+        log.exception("the batch observer's %s failed; ignored", getattr(hook, "__name__", hook))

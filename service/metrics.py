@@ -176,12 +176,6 @@ class Metrics(BatchObserver):
             self.queue_wait.observe(waited)
         self._record_gpu_memory()
 
-    def on_expired(self, requests: int) -> None:
-        # Counted by count_error where the 504 is answered, which also sees the
-        # deadlines that pass while the caller waits; counting here as well
-        # would count these requests twice.
-        pass
-
     def on_queue_depth(self, depth: int) -> None:
         self.queue_depth.set(depth)
 

@@ -52,7 +52,3 @@ def parse_inputs(body: bytes, content_type: str | None, model: Model, max_items:
 
 def render_outputs(model_name: str, outputs: Outputs) -> bytes:
     return orjson.dumps({"model": model_name, "outputs": outputs}, option=JSON_OPTIONS)
-
-
-def render_error(message: str) -> bytes:
-    return orjson.dumps({"error": message})

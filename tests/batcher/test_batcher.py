@@ -298,3 +298,45 @@ def test_adaptive_gathering_never_holds_a_lone_request(cleanup: list[Batcher]) -
             pending = batcher.submit([item], FAR)
             # With a 30 s window, only a batcher that does not wait answers in time.
             assert wait_result(pending.future, 5) == [item]
+
+
+def test_non_finite_values_in_nested_lists_and_numpy_scalars_fail_their_request(
+    cleanup: list[Batcher],
+) -> None:
+    def predict(batch: list[str]) -> list[Any]:
+        kinds: dict[str, Any] = {"nested": [[1.0], [math.nan]], "scalar": np.float32(math.inf)}
+        return [kinds.get(item, [1.0]) for item in batch]
+
+    gated = GatedPredict()
+    batcher = started(lambda batch: (gated(batch), predict(batch))[1])
+    cleanup.append(batcher)
+    batcher.submit(["warmup"], FAR)
+    gated.wait_entered()
+    fine, nested, scalar = (batcher.submit(items, FAR) for items in (["ok"], ["ok", "nested"], ["scalar"]))
+    gated.gate.set()
+    assert wait_result(fine.future, 10) == [[1.0]]
+    with pytest.raises(ModelError, match=r"non-finite value .* for input 1$"):
+        wait_result(nested.future, 10)
+    with pytest.raises(ModelError, match=r"non-finite value .* for input 0$"):
+        wait_result(scalar.future, 10)
+    assert nested.batch_size == 4  # they ran as one batch; only the culprits failed
+
+
+def test_a_gpu_out_of_memory_fails_the_batch_with_503_without_rerunning_it(cleanup: list[Batcher]) -> None:
+    from tests.support.models import OutOfMemoryError  # a mock: a real one needs a GPU
+
+    calls: list[list[Any]] = []
+
+    def predict(batch: list[Any]) -> list[Any]:
+        calls.append(batch)
+        if "big" in batch:
+            raise OutOfMemoryError("CUDA out of memory (mock)")
+        return batch
+
+    batcher = started(predict)
+    cleanup.append(batcher)
+    with pytest.raises(Overloaded, match="GPU ran out of memory") as refused:
+        wait_result(batcher.submit(["big"], FAR).future, 10)
+    assert refused.value.reason == "gpu_out_of_memory"
+    assert wait_result(batcher.submit(["small"], FAR).future, 10) == ["small"]
+    assert calls == [["big"], ["small"]]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import pytest
+
 from service.batching import Batcher, BatchObserver, GatherPolicy
 from service.waiting import wait_result
 from tests.batcher.test_batcher import FAR, GatedPredict
@@ -71,3 +73,38 @@ def test_the_last_reported_depth_is_the_real_one_under_concurrent_submits() -> N
     assert batcher.depth == 0 and recorder.depths[-1] == 0
     assert len(recorder.depths) == 2 * 8 * 50
     assert sum(items for items, *_ in recorder.batches) == 8 * 50
+
+
+class Raising(BatchObserver):
+    """An observer whose every hook fails, as a broken metrics backend would."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_batch(self, items: int, requests: int, queue_waits: list[float], model_seconds: float) -> None:
+        self.calls += 1
+        raise RuntimeError("metrics backend down")
+
+    def on_queue_depth(self, depth: int) -> None:
+        self.calls += 1
+        raise RuntimeError("metrics backend down")
+
+
+def test_an_observer_that_raises_loses_no_request_and_no_count(caplog: pytest.LogCaptureFixture) -> None:
+    gated, observer = GatedPredict(), Raising()
+    batcher = started(gated, observer)
+    try:
+        first = batcher.submit(["a"], FAR)  # raised out of submit, after counting it, before the fix
+        gated.wait_entered()
+        queued = batcher.submit(["b"], FAR)
+        assert batcher.depth == 1
+        gated.gate.set()
+        assert wait_result(first.future, 10) == ["out:a"]
+        assert wait_result(queued.future, 10) == ["out:b"]  # taken, then run, despite the hook
+        assert batcher.depth == 0
+        assert batcher.running
+    finally:
+        assert batcher.stop(timeout=10)
+    assert observer.calls >= 6  # depth up and down for each request, and each batch
+    assert "the batch observer's on_queue_depth failed; ignored" in caplog.text
+    assert "the batch observer's on_batch failed; ignored" in caplog.text

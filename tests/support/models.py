@@ -11,6 +11,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from service import native
 
 POISON = "boom"
@@ -213,3 +215,54 @@ def scripted_slow_start() -> ScriptedModel:
     """A ScriptedModel that takes 2 s to load, like a model reading large weights."""
     _pause(2.0)
     return ScriptedModel()
+
+
+class OutOfMemoryError(RuntimeError):
+    """Stands in for ``torch.cuda.OutOfMemoryError``, which needs a GPU to happen.
+
+    The service recognises that error by its class name, without importing
+    torch, so this mock takes the same path.
+    """
+
+
+class QuirkyModel:
+    """Each item names an output kind a factory model may return, or a fault.
+
+    ``"nested-nan"`` gives a nested list holding NaN, ``"scalar-inf"`` a numpy
+    float32 infinity, ``"labelled-nan"`` a label beside a NaN score, ``"nan-text"``
+    the string "nan" (finite: a string is not a number), ``"oom"`` raises
+    OutOfMemoryError; any other text answers its length.
+    """
+
+    name = "quirky"
+    item_kind = "text"
+    item_shape = None
+
+    def prepare(self, item: Any) -> str:
+        if not isinstance(item, str):
+            raise ValueError("expected a string")
+        return item
+
+    def predict(self, batch: list[str]) -> list[Any]:
+        if "oom" in batch:
+            raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (mock)")
+        kinds: dict[str, Any] = {
+            "nested-nan": [[1.0, float("nan")], [2.0, 3.0]],
+            "scalar-inf": np.float32("inf"),
+            "labelled-nan": ["cat", float("nan")],
+            "nan-text": "nan",
+        }
+        return [kinds.get(item, [float(len(item))]) for item in batch]
+
+
+def quirky() -> QuirkyModel:
+    return QuirkyModel()
+
+
+# Where unloadable() pretends its weights are: a path that must stay out of client answers.
+SECRET_PATH = "/srv/private/weights-7f3a.bin"
+
+
+def unloadable() -> EchoModel:
+    """A factory that fails as a model with unreadable weights does."""
+    raise FileNotFoundError(f"cannot read the weights at {SECRET_PATH}")
