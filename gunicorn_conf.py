@@ -13,15 +13,19 @@ import sys
 
 from service import lifecycle, multiproc
 from service.errors import SettingsError
-from service.inventory import read_inventory
+from service.inventory import first_inventory
 from service.logs import logging_config
+from service.model_spec import check_spec
 from service.settings import Settings, cuda_visible_devices
 from service.slots import SlotTable
 from service.topology import plan as plan_topology
 
 try:
     settings = Settings.from_env()
-    plan = plan_topology(settings, read_inventory(cuda_visible_devices()))
+    # On SIGHUP gunicorn runs this file again while the old workers still hold
+    # their GPU memory; a fresh inventory would plan smaller shares (or none).
+    # The first one read, kept by the module, plans every reload alike.
+    plan = plan_topology(settings, first_inventory(cuda_visible_devices()))
 except SettingsError as exc:
     # A message, not a traceback: the variable and the fix are all the reader needs.
     sys.exit(f"gunicorn_conf.py: {exc}")
@@ -66,6 +70,7 @@ slots = SlotTable()
 
 
 def on_starting(server):
+    _check_model()
     _log_plan(server)
     _share_metrics(server)
 
@@ -95,6 +100,20 @@ def child_exit(server, worker):
 
 def on_exit(server):
     multiproc.cleanup()
+
+
+# -- the model ----------------------------------------------------------------------
+
+
+def _check_model():
+    # Refuse a SERVE_MODEL that can name no model before any worker starts (it
+    # loads nothing: no torch, no user code). Here rather than at the top of the
+    # file because gunicorn applies --chdir after reading this file, and a
+    # relative path is the workers' to resolve from there.
+    try:
+        check_spec(settings.model)
+    except SettingsError as exc:
+        sys.exit(f"gunicorn_conf.py: {exc}")
 
 
 # -- worker topology ----------------------------------------------------------------

@@ -51,6 +51,25 @@ class Inventory:
         return max(1, cores)
 
 
+# The inventories first_inventory() read, by CUDA_VISIBLE_DEVICES. Kept in this
+# module, which a process imports once, because gunicorn re-executes its config
+# file on every reload (SIGHUP) and would forget anything kept there.
+_first: dict[str | None, Inventory] = {}
+
+
+def first_inventory(cuda_visible_devices: str | None = None) -> Inventory:
+    """The inventory this process read first; read now only if it never was.
+
+    gunicorn plans from it on every reload: by then the running workers hold
+    GPU memory that NVML counts as used, so a fresh reading would shrink each
+    worker's share, or find no room at all, though the old workers are about
+    to leave and give it back.
+    """
+    if cuda_visible_devices not in _first:
+        _first[cuda_visible_devices] = read_inventory(cuda_visible_devices)
+    return _first[cuda_visible_devices]
+
+
 def read_inventory(cuda_visible_devices: str | None = None, root: Path = Path("/")) -> Inventory:
     """This machine's inventory. ``cuda_visible_devices`` is the master's ``CUDA_VISIBLE_DEVICES``."""
     gpus, note = read_gpus(cuda_visible_devices)

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from service import inventory
+from service.inventory import Gpu, Inventory
 from tests.support.server import ROOT
 
 CONF = str(ROOT / "gunicorn_conf.py")
@@ -84,13 +86,33 @@ def test_a_bad_setting_stops_gunicorn_with_a_message_naming_it(environ: dict[str
         runpy.run_path(CONF)
 
 
-def test_the_master_never_imports_torch() -> None:
-    code = f"import runpy, sys; runpy.run_path({CONF!r}); print('torch' in sys.modules)"
+def test_the_master_never_imports_torch_or_numpy() -> None:
+    # numpy in the master would size its BLAS pool before a worker's OMP_NUM_THREADS applies.
+    code = (
+        f"import runpy, sys; conf = runpy.run_path({CONF!r}); conf['_check_model']();"
+        "print('torch' in sys.modules, 'numpy' in sys.modules)"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")}
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True
     )
-    assert result.stdout.strip() == "False"
+    assert result.stdout.strip() == "False False"
+
+
+def test_a_reload_plans_from_the_inventory_read_at_start(
+    environ: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def machine(free_mb: int) -> Inventory:
+        return Inventory(affinity_cores=8, gpus=(Gpu(0, "GPU-0000", "H100", 81_559, free_mb),))
+
+    # By the time of a SIGHUP the old workers hold most of the GPU; NVML counts it as used.
+    readings = iter([machine(80_000), machine(2_000)])
+    monkeypatch.setattr(inventory, "_first", {})
+    monkeypatch.setattr(inventory, "read_inventory", lambda cuda_visible_devices=None: next(readings))
+    started = runpy.run_path(CONF)["plan"]
+    reloaded = runpy.run_path(CONF)["plan"]  # gunicorn re-executes its config file on SIGHUP
+    assert started.devices[0].memory_fraction == 0.968  # (80000 - 1024) / 81559, rounded down
+    assert reloaded == started
 
 
 def test_python_m_service_topology_prints_the_plan() -> None:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from service.inventory import Gpu, cgroup_cpu_quota, read_gpus, read_inventory, visible_gpus
+from service import inventory
+from service.inventory import Gpu, Inventory, cgroup_cpu_quota, read_gpus, read_inventory, visible_gpus
 
 V2_MOUNT = "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
 V1_MOUNT = "32 31 0:29 {root} /sys/fs/cgroup/cpu,cpuacct rw,relatime - cgroup cgroup rw,cpu,cpuacct\n"
@@ -152,3 +153,20 @@ def test_this_machine_reads_without_touching_cuda() -> None:
     assert 1 <= inventory.usable_cores <= inventory.affinity_cores
     if not inventory.gpus:
         assert inventory.gpu_note
+
+
+def test_first_inventory_reads_the_machine_once_per_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str | None] = []
+
+    def fake_read(cuda_visible_devices: str | None = None) -> Inventory:
+        calls.append(cuda_visible_devices)
+        return Inventory(affinity_cores=len(calls))
+
+    monkeypatch.setattr(inventory, "_first", {})
+    monkeypatch.setattr(inventory, "read_inventory", fake_read)
+    first = inventory.first_inventory(None)
+    assert inventory.first_inventory(None) is first  # what a SIGHUP reload gets
+    assert calls == [None]
+    narrowed = inventory.first_inventory("0")
+    assert narrowed is not first and narrowed.affinity_cores == 2
+    assert calls == [None, "0"]
