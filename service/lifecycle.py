@@ -1,15 +1,27 @@
-"""What gunicorn's worker hooks do (wired in gunicorn_conf.py).
-
-A worker starts serving only once its model is loaded, leaves through gunicorn's
-graceful path when its batch thread fails, and drains its batcher on the way out.
-Importing this module is cheap and touches no torch: gunicorn may call
-``worker_exit`` in the master too.
-"""
+# design:
+# - What gunicorn's worker hooks do (wired in gunicorn_conf.py). Each hook runs
+#   in the worker's main thread: post_worker_init before the worker accepts any
+#   connection, worker_exit once it has stopped accepting. gunicorn may call
+#   worker_exit in the master too, for a lost child; runtime_of() tells them
+#   apart, and importing this module is cheap and touches no torch.
+# - The model loads in the runtime's loader thread (service.runtime). The main
+#   thread waits for it in post_worker_init, one second at a time, beating
+#   gunicorn's heartbeat in between, so a slow load is not taken for a hang and
+#   no connection is accepted before the model can answer it.
+# - A model that failed to load ends the worker with gunicorn's boot error code
+#   (Arbiter.WORKER_BOOT_ERROR); the master then stops the whole service rather
+#   than start workers that fail the same way forever.
+# - A batch-thread fault is reported from the watchdog's thread; the hook sends
+#   SIGTERM to its own process, so the worker leaves through gunicorn's graceful
+#   path (stop accepting, finish what is in flight) and the master replaces it.
+# - worker_exit drains the batcher: every queued request is answered before the
+#   batch thread ends.
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -35,6 +47,10 @@ def serve_when_loaded(worker: Any) -> None:
     itself, a moment later). That is what makes a SIGHUP reload, or the
     replacement of a crashed worker, fail no request. The loop keeps beating
     gunicorn's heartbeat, so a slow load is not mistaken for a hung worker.
+
+    A model that fails to load exits the worker with gunicorn's boot error,
+    which stops the master: a bad ``SERVE_MODEL`` stops the service, with the
+    reason in the log, instead of leaving it up answering 503.
     """
     runtime = runtime_of(worker)
     if runtime is None:
@@ -45,6 +61,13 @@ def serve_when_loaded(worker: Any) -> None:
     runtime.on_fault = lambda reason: os.kill(os.getpid(), signal.SIGTERM)
     while worker.alive and not runtime.wait_loaded(timeout=1.0):
         worker.notify()
+    if runtime.load_error is not None:
+        from gunicorn.arbiter import Arbiter
+
+        worker.log.error(
+            "Worker failed to boot: %s; stopping the service (pid: %s)", runtime.load_error, os.getpid()
+        )
+        sys.exit(Arbiter.WORKER_BOOT_ERROR)
 
 
 def drain(worker: Any) -> None:
@@ -55,8 +78,8 @@ def drain(worker: Any) -> None:
     queue is already empty.
     """
     runtime = runtime_of(worker)
-    if runtime is None:
-        return
+    if runtime is None or runtime.batcher is None:
+        return  # not this service's worker, or no model (serve_when_loaded said why)
     # gunicorn's own logger: its error log is where a worker's exit is reported.
     pid = os.getpid()
     if runtime.failure is not None:

@@ -6,6 +6,11 @@
 #   create_app() returns at once, and starts the batch thread and the watchdog
 #   once the model is ready. wait_loaded() lets a host hold back traffic until
 #   then (service.lifecycle does, under gunicorn).
+# - A model that fails to load leaves ``load_error`` set for good. Under
+#   gunicorn the worker then exits with its boot error and the master stops
+#   (service.lifecycle); without a host the app stays up and answers 503. The
+#   error's text goes to the log only: it can name paths on the host, so
+#   clients are told LOAD_FAILED.
 # - Request threads read ``model`` and ``batcher`` only after ``ready`` says so;
 #   both are assigned once and never replaced.
 # - A batch thread that dies or stalls is a fault (service.watchdog): from the
@@ -26,17 +31,19 @@ from typing import Any
 from flask import Flask
 
 from service import native
-from service.batching import Batcher, BatchObserver, GatherPolicy, Pending
-from service.errors import ModelError, NotReady
+from service.batching import Batcher, BatchObserver, GatherPolicy, Pending, notify
+from service.errors import NotReady
 from service.models import Model, load_model
 from service.models.base import Outputs
-from service.outputs import check_outputs
+from service.outputs import check_outputs, client_error
 from service.settings import Settings
 from service.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
 EXTENSION = "serve"
+# What clients (/readyz, /info, 503 bodies) hear about a model that failed to load.
+LOAD_FAILED = "the model failed to load; see the service log"
 
 
 class ModelRuntime:
@@ -45,6 +52,9 @@ class ModelRuntime:
         self.observer = observer or BatchObserver()
         self.model: Model | None = None
         self.batcher: Batcher | None = None
+        # Why the model could not be loaded (for the log; see LOAD_FAILED).
+        self.load_error: str | None = None
+        # Why a loaded worker can no longer serve (a batch-thread fault).
         self.failure: str | None = None
         self.load_seconds: float | None = None
         self.pid = os.getpid()
@@ -65,7 +75,7 @@ class ModelRuntime:
                 limit_gpu_memory(self.settings.worker_gpu_memory_fraction)
         except RuntimeError as exc:
             log.error("cannot use the planned device: %s", exc)
-            self.failure = str(exc)
+            self.load_error = f"cannot use the planned device: {exc}"
             self._loading.release()  # nothing will load: wait_loaded() must not wait
             return
         native.start_thread(self._load)
@@ -89,7 +99,7 @@ class ModelRuntime:
             model = load_model(self.settings, self.device)
         except Exception as exc:
             log.exception("model %r failed to load", self.settings.model)
-            self.failure = f"the model failed to load: {exc}"
+            self.load_error = f"model {self.settings.model!r} failed to load: {type(exc).__name__}: {exc}"
             return
         self.load_seconds = time.monotonic() - started
         policy = GatherPolicy(
@@ -105,7 +115,7 @@ class ModelRuntime:
         )
         batcher.start()
         self.model, self.batcher = model, batcher
-        self.observer.on_model_loaded(model.device, self.load_seconds)
+        notify(self.observer.on_model_loaded, model.device, self.load_seconds)
         Watchdog(batcher, limit_s=self.settings.stall_limit_s, on_fault=self._fault).start()
         log.info("model %s loaded on %s in %.1f s", model.name, model.device, self.load_seconds)
 
@@ -120,7 +130,9 @@ class ModelRuntime:
             self.on_fault(reason)
 
     def readiness(self) -> str | None:
-        """None when ready to serve, else why not."""
+        """None when ready to serve, else why not (fit for a client to read)."""
+        if self.load_error is not None:
+            return LOAD_FAILED
         if self.failure is not None:
             return self.failure
         if self.batcher is None:
@@ -131,6 +143,8 @@ class ModelRuntime:
 
     def require_ready(self) -> tuple[Model, Batcher]:
         reason = self.readiness()
+        if reason == LOAD_FAILED:
+            raise NotReady(LOAD_FAILED, retry_after_s=5)
         if reason is not None or self.model is None or self.batcher is None:
             raise NotReady(f"not ready: {reason}", retry_after_s=5)
         return self.model, self.batcher
@@ -141,8 +155,8 @@ class ModelRuntime:
         try:
             outputs = model.predict(items)
         except Exception as exc:
-            log.exception("model failed on %d items", len(items))
-            raise ModelError(f"the model failed on this request's inputs ({type(exc).__name__})") from None
+            # The batch thread's mapping, so both routes answer a fault alike.
+            raise client_error(exc, len(items)) from None
         check_outputs(outputs, len(items))
         return outputs
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import requests
 
-from tests.support.server import Server, gunicorn
+from tests.support.models import SECRET_PATH
+from tests.support.server import Server, gunicorn, gunicorn_exit
 
 pytestmark = pytest.mark.e2e
 
@@ -87,3 +88,27 @@ def test_sigterm_stops_cleanly() -> None:
         server.signal(signal.SIGTERM)
         assert server.process.wait(30) == 0
         assert "Shutting down: Master" in server.log()
+
+
+def test_a_model_that_fails_to_load_stops_the_service_with_the_reason_in_the_log() -> None:
+    code, log = gunicorn_exit({"SERVE_MODEL": "tests.support.models:unloadable", "SERVE_WORKERS": "2"})
+    assert code == 3  # gunicorn's WORKER_BOOT_ERROR, passed on by the master
+    assert "Reason: Worker failed to boot." in log
+    assert "Worker failed to boot: model 'tests.support.models:unloadable' failed to load" in log
+    assert SECRET_PATH in log
+
+
+@pytest.mark.parametrize(
+    ("model", "fragments"),
+    [
+        ("models/none-such.pt", ["gunicorn_conf.py: SERVE_MODEL='models/none-such.pt': no such file under "]),
+        ("minlm", ["gunicorn_conf.py: SERVE_MODEL must be one of minilm, mlp", "(did you mean minilm?)"]),
+    ],
+)
+def test_a_model_that_cannot_exist_stops_the_master_before_any_worker(
+    model: str, fragments: list[str]
+) -> None:
+    code, log = gunicorn_exit({"SERVE_MODEL": model}, timeout=30)
+    assert code == 1
+    assert all(fragment in log for fragment in fragments), log
+    assert "Booting worker" not in log

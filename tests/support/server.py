@@ -88,6 +88,19 @@ def gunicorn(
     ready_timeout: float = 90,
 ) -> Iterator[Server]:
     port = free_port(host)
+    process, log_path = _start(env, host, port, args)
+    url = f"http://{host}:{port}"
+    try:
+        wait_ready(url, process, ready_timeout, log_path)
+        yield Server(url, process, log_path)
+    finally:
+        stop_group(process)
+        log_path.unlink(missing_ok=True)
+
+
+def _start(
+    env: Mapping[str, str] | None, host: str, port: int, args: tuple[str, ...]
+) -> tuple[subprocess.Popen[bytes], Path]:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")}
     full_env.update({"SERVE_BIND": f"{host}:{port}", "PYTHONUNBUFFERED": "1"})
     full_env.update(env or {})
@@ -101,10 +114,21 @@ def gunicorn(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    url = f"http://{host}:{port}"
+    return process, log_path
+
+
+def gunicorn_exit(env: Mapping[str, str], *, timeout: float = 90, host: str = "127.0.0.1") -> tuple[int, str]:
+    """Start gunicorn expecting it to stop by itself; its exit code and log.
+
+    Raises TimeoutError (after killing its process group) if it is still up after ``timeout``.
+    """
+    process, log_path = _start(env, host, free_port(host), ())
     try:
-        wait_ready(url, process, ready_timeout, log_path)
-        yield Server(url, process, log_path)
+        try:
+            code = process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"gunicorn still running after {timeout} s:\n{log_path.read_text()}") from None
+        return code, log_path.read_text(errors="replace")
     finally:
         stop_group(process)
         log_path.unlink(missing_ok=True)

@@ -8,11 +8,13 @@ import threading
 from collections.abc import Callable
 from types import SimpleNamespace
 
+import pytest
 from flask.testing import FlaskClient
 
 from service import lifecycle
 from service.runtime import EXTENSION, ModelRuntime
 from service.settings import Settings
+from tests.support.models import SECRET_PATH
 
 SCRIPTED = Settings(model="tests.support.models:scripted", request_timeout_ms=200, stall_timeout_ms=1000)
 
@@ -90,3 +92,21 @@ def test_a_worker_starts_serving_once_its_model_is_loaded_and_drains_on_exit() -
     assert runtime.on_fault is not None
     lifecycle.drain(worker)
     assert runtime.batcher is not None and not runtime.batcher.running
+
+
+def test_a_worker_whose_model_fails_to_load_exits_with_gunicorns_boot_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from gunicorn.arbiter import Arbiter
+
+    from service import create_app
+
+    app = create_app(Settings(model="tests.support.models:unloadable"))
+    worker = fake_worker(app)
+    with caplog.at_level(logging.ERROR, logger="gunicorn.error"), pytest.raises(SystemExit) as exited:
+        lifecycle.serve_when_loaded(worker)
+    # The master halts on this code ("Worker failed to boot.") instead of replacing the worker.
+    assert exited.value.code == Arbiter.WORKER_BOOT_ERROR == 3
+    assert "Worker failed to boot" in caplog.text
+    assert SECRET_PATH in caplog.text  # the reason is in the log, for the operator
+    lifecycle.drain(worker)  # gunicorn's worker_exit follows: nothing to drain, and no error

@@ -8,6 +8,7 @@ import pytest
 import torch
 from flask.testing import FlaskClient
 
+from service.runtime import EXTENSION, LOAD_FAILED
 from service.settings import Settings
 
 ECHO = Settings(model="tests.support.models:echo", torch_threads=1)
@@ -52,5 +53,9 @@ def test_a_worker_planned_on_a_gpu_torch_cannot_use_is_not_ready(
     client = make_client(ECHO.replace(worker_device="cuda:0", worker_gpu_memory_fraction=0.5))
     response = client.get("/readyz")
     assert response.status_code == 503
-    assert "the plan gives this worker cuda:0, but torch sees no CUDA device" in response.get_json()["error"]
+    # A load failure like any other: the client gets the fixed text, the log the
+    # reason, and under gunicorn the worker exits with its boot error.
+    assert response.get_json()["error"] == LOAD_FAILED
+    runtime = client.application.extensions[EXTENSION]
+    assert "the plan gives this worker cuda:0, but torch sees no CUDA device" in runtime.load_error
     assert client.get("/healthz").status_code == 200
