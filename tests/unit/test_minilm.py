@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 from service.models.minilm import MiniLMModel
+from tests.support.server import ROOT
 
 SENTENCES = [
     "A man is eating food.",
@@ -41,3 +46,17 @@ def test_an_item_embeds_the_same_alone_and_in_a_padded_batch(model: MiniLMModel)
 def test_prepare_refuses_non_strings(model: MiniLMModel) -> None:
     with pytest.raises(ValueError, match="expected a string, got number"):
         model.prepare(3)
+
+
+def test_importing_the_model_leaves_the_environment_alone() -> None:
+    # Offline loading is local_files_only=True, and the launcher turns the tokenizer's
+    # pool off in each worker's environment (service.topology): an import changes nothing.
+    code = (
+        "import os, service.models.minilm; "
+        "print(sorted(set(os.environ) & {'HF_HUB_OFFLINE', 'TOKENIZERS_PARALLELISM'}))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in {"HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM"}}
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]"

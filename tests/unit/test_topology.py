@@ -53,6 +53,7 @@ def test_two_cores_without_a_gpu_run_one_single_threaded_worker_per_core() -> No
     assert env["SERVE_TORCH_THREADS"] == env["OMP_NUM_THREADS"] == "1"
     assert env["SERVE_WORKER_GPU_MEMORY_FRACTION"] is None
     assert env["CUDA_VISIBLE_DEVICES"] == ""  # a CPU worker never sees a GPU
+    assert env["TOKENIZERS_PARALLELISM"] == "false"  # its pool would compete with torch's threads
 
 
 @pytest.mark.parametrize(
