@@ -1,20 +1,26 @@
-"""OS threads, locks, queues and futures that stay native in a gevent-patched worker.
-
-gevent's monkey-patching turns ``threading.Thread`` into a greenlet and
-``threading.Lock`` into a hub-bound lock. The batcher must be a real OS thread
-(a model call inside a greenlet would stall the worker's event loop), and what
-it shares with request greenlets must be safe across OS threads, so this module
-hands out the originals whether or not the process was patched.
-
-Futures too: ``concurrent.futures.Future`` guards its state with a
-``threading.Condition``, whose lock is gevent's once patched. gevent can pass
-such a lock between an OS thread and a greenlet, but only through a slow
-hand-off via the owning hub, which its maintainers call delicate and advise
-against. A request's future is touched by both sides, so its lock is a native
-one here. It is held only for a few attribute writes, so a greenlet that waits
-for it stalls its hub for microseconds; nobody waits on the condition itself
-under gevent (service.waiting wakes greenlets through the hub instead).
-"""
+# design:
+# - OS threads, locks, queues and futures that stay native in a gevent-patched
+#   worker. gevent's monkey-patching turns ``threading.Thread`` into a greenlet
+#   and ``threading.Lock`` into a hub-bound lock; this module hands out the
+#   originals whether or not the process was patched.
+# - Who uses them: the batch thread, the watchdog and the model loader are OS
+#   threads started here (a model call inside a greenlet would stall the
+#   worker's event loop). The queue, the batcher's lock and each request's
+#   future are shared between those threads and request threads or greenlets,
+#   so they must be safe across OS threads: native, from here.
+# - Futures: ``concurrent.futures.Future`` guards its state with a
+#   ``threading.Condition``, whose lock is gevent's once patched. gevent can
+#   pass such a lock between an OS thread and a greenlet only through a slow
+#   hand-off via the owning hub, which its maintainers call delicate and advise
+#   against. A request's future is touched by both sides, so its lock is a
+#   native one. It is held only for a few attribute writes, so a greenlet that
+#   waits for it stalls its hub for microseconds; nobody waits on the condition
+#   itself under gevent (service.waiting wakes greenlets through the hub).
+# - Shutdown: threads started here are unknown to ``threading``, so the
+#   interpreter does not wait for them at exit. Each owner ends its own
+#   (Batcher.stop drains the batch thread; the watchdog returns once that
+#   thread ends), and one still running when the process exits, such as a
+#   stalled batch, ends with it instead of holding the worker up.
 
 from __future__ import annotations
 
