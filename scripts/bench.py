@@ -6,10 +6,11 @@
     .venv/bin/python scripts/bench.py --url http://127.0.0.1:8000   # a service already running
 
 Unless --url is given it starts the service itself (gunicorn, with the SERVE_* settings of this
-environment plus --model). Before that it measures the model's offline limit: the highest items/s
-that predict reaches on full batches, with no HTTP, over every workers x torch-threads split that
-fits the cores, all processes busy at once. Writes results.md, results.json, results.csv,
-throughput.png and latency.png to --out, and prints the table and the targets.
+environment plus --model) and waits until every worker has loaded its model. Before that it
+measures the model's offline limit: the highest items/s that predict reaches on full batches,
+with no HTTP, over every workers x torch-threads split that fits the cores, all processes busy at
+once. Writes results.md, results.json, results.csv, throughput.png and latency.png to --out, and
+prints the table and the targets.
 """
 
 from __future__ import annotations
@@ -19,12 +20,8 @@ import contextlib
 import csv
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -34,7 +31,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from loadgen import LoadResult, check_loopback, run_load  # noqa: E402
+from scripts.launcher import LaunchError, serve  # noqa: E402
+from scripts.loadgen import LoadResult, check_loopback, run_load  # noqa: E402
 
 SENTENCE = "The quick brown fox jumps over the lazy dog near the quiet river bank."
 ITEMS_METRIC = "serve_inferred_items_total"
@@ -105,46 +103,12 @@ def service(url: str | None, env: dict[str, str]) -> Iterator[str]:
         check_loopback(url)
         yield url.rstrip("/")
         return
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**env, "SERVE_BIND": f"127.0.0.1:{port}"}
-    log = tempfile.NamedTemporaryFile("w+b", prefix="bench-gunicorn-", suffix=".log")  # noqa: SIM115
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gunicorn", "-c", "gunicorn_conf.py", "wsgi:app"],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while not ready(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                raise SystemExit("the service did not become ready:\n" + log.read().decode(errors="replace"))
-            time.sleep(0.2)
-        yield url
-    finally:
-        # Only while it runs: a reaped pid may already belong to another process group.
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-        process.wait(60)
-        log.close()
-
-
-def ready(url: str) -> bool:
     try:
         # Every worker must be up, or the first levels measure a half-started service.
-        with urllib.request.urlopen(url + "/readyz", timeout=2) as r:
-            return bool(r.status == 200)
-    except OSError:
-        return False
+        with serve(env, ready_timeout=180, all_workers=True, grace=60) as started:
+            yield started.url
+    except LaunchError as exc:
+        raise SystemExit(f"bench: the service did not start: {exc}") from None
 
 
 def get_json(url: str) -> Any:
