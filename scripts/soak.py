@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from scripts.launcher import Service, serve  # noqa: E402
 from scripts.procs import children, rss_bytes  # noqa: E402
+from service.models.base import sample_item  # noqa: E402
 
 OUTCOMES = ("2xx", "4xx", "503", "504", "other 5xx", "connection error", "lost")
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -66,13 +67,7 @@ class Request:
 
 
 def valid_request(info: dict[str, Any], rng: random.Random) -> Request:
-    model = info["model"]
-    if model["item_kind"] == "text":
-        words = ("a", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog")
-        item: Any = " ".join(rng.choice(words) for _ in range(rng.randint(3, 16)))
-    else:
-        width = model["item_shape"][0]
-        item = [round(rng.uniform(-1, 1), 4) for _ in range(width)]
+    item = sample_item(info["model"], rng)
     # The batched route: the naive one, there for comparison, has no queue of its own to bound.
     path = rng.choice(("/predict", "/predict/batched"))
     return Request("valid", json.dumps({"inputs": [item]}).encode(), JSON_HEADERS, path)
@@ -368,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     # Every worker up before calibrating, or the capacity measured is a fraction of the real one.
     with serve(env, ready_timeout=300, all_workers=True) as server:
         info = json.loads(_get(server, "/info"))
+        try:
+            sample_item(info["model"])
+        except ValueError as exc:
+            parser.error(str(exc))
         timeout = info["limits"]["request_timeout_ms"] / 1000 + 30  # a deadline, then some
         print(
             f"soak: {info['model']['name']} on {server.url}, calibrating for {calibrate:.0f} s",
