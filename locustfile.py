@@ -8,8 +8,9 @@ Headless, closed loop (no think time), 32 users for a minute:
     .venv/bin/locust -f locustfile.py --host http://127.0.0.1:8000 --headless \
         -u 32 -r 32 -t 60s --wait-min 0 --wait-max 0 BatchedUser
 
-Each user reads GET /info once and sends items that fit the served model: sentences for
-text models, vectors of the right width for vector models. Between requests a user waits a
+Each user reads GET /info once and sends items that fit the served model, varied at random
+(service.models.base.sample_item, as the benchmark and soak scripts use): sentences for text
+models, numbers of the right shape for vector and tensor models. Between requests a user waits a
 random 1-3 s by default, like shoppers at a self-checkout; --wait-min/--wait-max change that
 (0 and 0 saturate the service).
 """
@@ -21,13 +22,7 @@ from typing import Any
 
 from locust import HttpUser, events, task
 
-SENTENCES = [
-    "The quick brown fox jumps over the lazy dog near the quiet river bank.",
-    "A man is eating a piece of bread at the kitchen table.",
-    "Stock markets rallied after the central bank held interest rates steady.",
-    "How do I reset my password if I no longer have access to my email?",
-    "The new phone has a brighter screen and a battery that lasts two days.",
-]
+from service.models.base import sample_item
 
 
 @events.init_command_line_parser.add_listener
@@ -38,13 +33,8 @@ def _options(parser: Any) -> None:
 
 
 def sample_items(info: dict[str, Any], count: int) -> list[Any]:
-    model = info["model"]
-    if model["item_kind"] == "text":
-        return random.sample(SENTENCES * count, count)
-    if model["item_kind"] == "vector":
-        width = model["item_shape"][0]
-        return [[random.uniform(-1, 1) for _ in range(width)] for _ in range(count)]
-    raise RuntimeError(f"no sample items for a model whose items are {model['item_kind']!r}")
+    rng = random.Random()
+    return [sample_item(info["model"], rng) for _ in range(count)]
 
 
 class ModelUser(HttpUser):

@@ -6,10 +6,11 @@
     .venv/bin/python scripts/bench.py --url http://127.0.0.1:8000   # a service already running
 
 Unless --url is given it starts the service itself (gunicorn, with the SERVE_* settings of this
-environment plus --model). Before that it measures the model's offline limit: the highest items/s
-that predict reaches on full batches, with no HTTP, over every workers x torch-threads split that
-fits the cores, all processes busy at once. Writes results.md, results.json, results.csv,
-throughput.png and latency.png to --out, and prints the table and the targets.
+environment plus --model) and waits until every worker has loaded its model. Before that it
+measures the model's offline limit: the highest items/s that predict reaches on full batches of
+the model's sample item, with no HTTP, over every workers x torch-threads split that fits the
+cores, all processes busy at once. Writes results.md, results.json, results.csv, throughput.png
+and latency.png to --out, and prints the table and the targets.
 """
 
 from __future__ import annotations
@@ -19,12 +20,8 @@ import contextlib
 import csv
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -34,9 +31,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from loadgen import LoadResult, check_loopback, run_load  # noqa: E402
+from scripts.launcher import LaunchError, serve  # noqa: E402
+from scripts.loadgen import LoadResult, check_loopback, run_load  # noqa: E402
+from service.models.base import sample_item  # noqa: E402
 
-SENTENCE = "The quick brown fox jumps over the lazy dog near the quiet river bank."
 ITEMS_METRIC = "serve_inferred_items_total"
 BATCHES_METRIC = "serve_batches_total"
 
@@ -64,7 +62,11 @@ def main() -> None:
     offline = None if args.url or args.no_offline else offline_limit(env, args.offline_seconds)
     with service(args.url, env) as url:
         info = get_json(url + "/info")
-        body = json.dumps({"inputs": [sample_item(info)] * args.items}).encode()
+        try:
+            item = sample_item(info["model"])
+        except ValueError as exc:
+            raise SystemExit(f"bench: {exc}") from None
+        body = json.dumps({"inputs": [item] * args.items}).encode()
         rows, generator = sweep(url, body, args)
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -105,46 +107,12 @@ def service(url: str | None, env: dict[str, str]) -> Iterator[str]:
         check_loopback(url)
         yield url.rstrip("/")
         return
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**env, "SERVE_BIND": f"127.0.0.1:{port}"}
-    log = tempfile.NamedTemporaryFile("w+b", prefix="bench-gunicorn-", suffix=".log")  # noqa: SIM115
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gunicorn", "-c", "gunicorn_conf.py", "wsgi:app"],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while not ready(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                raise SystemExit("the service did not become ready:\n" + log.read().decode(errors="replace"))
-            time.sleep(0.2)
-        yield url
-    finally:
-        # Only while it runs: a reaped pid may already belong to another process group.
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-        process.wait(60)
-        log.close()
-
-
-def ready(url: str) -> bool:
     try:
         # Every worker must be up, or the first levels measure a half-started service.
-        with urllib.request.urlopen(url + "/readyz", timeout=2) as r:
-            return bool(r.status == 200)
-    except OSError:
-        return False
+        with serve(env, ready_timeout=180, all_workers=True, grace=60) as started:
+            yield started.url
+    except LaunchError as exc:
+        raise SystemExit(f"bench: the service did not start: {exc}") from None
 
 
 def get_json(url: str) -> Any:
@@ -152,29 +120,22 @@ def get_json(url: str) -> Any:
         return json.load(r)
 
 
-def sample_item(info: dict[str, Any]) -> Any:
-    model = info["model"]
-    if model["item_kind"] == "text":
-        return SENTENCE
-    if model["item_kind"] == "vector":
-        return [0.5] * model["item_shape"][0]
-    raise SystemExit(f"no sample item for a model whose items are {model['item_kind']!r}")
-
-
 # -- measuring -------------------------------------------------------------------
 
 
 def offline_limit(env: dict[str, str], seconds: float) -> dict[str, Any]:
     from service.inventory import read_inventory
-    from service.offline import measure, splits_for
+    from service.offline import OfflineError, measure, splits_for
     from service.settings import Settings
 
     settings = Settings.from_env(env)
     cores = read_inventory().usable_cores  # CPU affinity and cgroup quota
-    item = SENTENCE if settings.model == "minilm" else [0.5] * settings.mlp_width
     results = []
     for split in splits_for(cores):
-        (m,) = measure(settings, split, [settings.max_batch_size], item, seconds=seconds)
+        try:
+            (m,) = measure(settings, split, [settings.max_batch_size], seconds=seconds)
+        except OfflineError as exc:
+            raise SystemExit(f"bench: {exc}") from None
         print(
             f"offline {split}: {m.items_per_s:.0f} items/s (batch {m.batch_size}, "
             f"{m.batch_ms_median:.1f} ms per batch)",

@@ -2,7 +2,9 @@
 
 wrk drives the load when it is installed (it is written in C and is never the
 bottleneck); otherwise an asyncio client with one keep-alive connection per
-client does. Both return the same :class:`LoadResult`. Loopback targets only.
+client does. Both return the same :class:`LoadResult`, and both count an error
+(a refused or broken connection, a timeout, a non-2xx answer) and go on until
+the time is up, so a failure never lowers the concurrency. Loopback targets only.
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ done = function(summary, latency, requests)
     latency:percentile(50), latency:percentile(90), latency:percentile(99)))
 end
 """
+
+
+# As wrk's --timeout below: a request not answered by then counts as an error.
+REQUEST_TIMEOUT_S = 60.0
+# Between a client's attempts to reconnect after a failed connect.
+RECONNECT_PAUSE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -118,27 +126,35 @@ async def _asyncio_load(url: str, body: bytes, clients: int, seconds: float) -> 
     end = time.monotonic() + seconds
 
     async def client() -> None:
+        # Until the deadline, whatever happens: an error is counted and the client
+        # reconnects, so the load keeps its concurrency for the whole run.
         nonlocal errors
-        reader, writer = await asyncio.open_connection(host, port)
-        try:
-            while time.monotonic() < end:
-                started = time.monotonic()
-                writer.write(request)
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next(
-                    int(line.split(b":", 1)[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length:")
+        while time.monotonic() < end:
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection(host, port), REQUEST_TIMEOUT_S
                 )
-                await reader.readexactly(length)
-                if head.startswith(b"HTTP/1.1 2"):
-                    latencies.append(time.monotonic() - started)
-                else:
-                    errors += 1
-        except (OSError, asyncio.IncompleteReadError):
-            errors += 1
-        finally:
-            writer.close()
+            except OSError:  # refused, unreachable, or timed out (TimeoutError is an OSError)
+                errors += 1
+                # A refused connection fails at once: pause, or the client spins on the CPU
+                # that the service under test needs.
+                await asyncio.sleep(min(RECONNECT_PAUSE_S, max(0.0, end - time.monotonic())))
+                continue
+            try:
+                while time.monotonic() < end:
+                    started = time.monotonic()
+                    writer.write(request)
+                    status, keep_alive = await asyncio.wait_for(_read_response(reader), REQUEST_TIMEOUT_S)
+                    if 200 <= status < 300:
+                        latencies.append(time.monotonic() - started)
+                    else:
+                        errors += 1
+                    if not keep_alive:
+                        break
+            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+                errors += 1
+            finally:
+                writer.close()
 
     began = time.monotonic()
     await asyncio.gather(*(client() for _ in range(clients)))
@@ -151,3 +167,21 @@ async def _asyncio_load(url: str, body: bytes, clients: int, seconds: float) -> 
     return LoadResult(
         clients, elapsed, len(latencies), errors, statistics.median(ms), pct(0.9), pct(0.99), "asyncio"
     )
+
+
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bool]:
+    """One response's status, and whether the server keeps the connection open after it.
+
+    Raises ValueError for a response this client cannot read (no Content-Length:
+    the service always sends one).
+    """
+    head = await reader.readuntil(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    status = int(status_line.partition(" ")[2][:3])  # "HTTP/1.1 200 OK"; garbage is a ValueError
+    headers = {
+        name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)
+    }
+    if "content-length" not in headers:
+        raise ValueError(f"a response without Content-Length: {status_line!r}")
+    await reader.readexactly(int(headers["content-length"]))
+    return status, headers.get("connection", "").lower() != "close"

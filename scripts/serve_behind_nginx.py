@@ -20,15 +20,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from scripts.launcher import LaunchError, start, stop, wait_ready  # noqa: E402
 from scripts.render_nginx import TEMPLATE, Options, gunicorn_keepalive, render  # noqa: E402
 from service.errors import SettingsError  # noqa: E402
 from service.settings import Settings  # noqa: E402
@@ -53,21 +51,6 @@ def probe_url(listen: str) -> str:
     return f"http://{host}:{port}"
 
 
-def wait_ready(url: str, processes: Sequence[subprocess.Popen[bytes]], error_log: Path) -> None:
-    """Until ``url``/readyz answers 200 through nginx; fail at once if a process exits."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        for process in processes:
-            if process.poll() is not None:
-                log = error_log.read_text() if error_log.exists() else ""
-                raise RuntimeError(f"{process.args[0]} exited with {process.returncode}\n{log}")
-        with contextlib.suppress(OSError), urllib.request.urlopen(url + "/readyz", timeout=2) as response:
-            if response.status == 200:
-                return
-        time.sleep(0.2)  # a readiness probe, as a load balancer or orchestrator runs it
-    raise TimeoutError(f"{url}/readyz did not answer 200 within {READY_TIMEOUT_S} s")
-
-
 @contextlib.contextmanager
 def prefix_dir(given: str | None) -> Iterator[Path]:
     if given:
@@ -80,16 +63,6 @@ def prefix_dir(given: str | None) -> Iterator[Path]:
         # still reach the temp directories (and socket) inside.
         os.chmod(tmp, 0o755)
         yield Path(tmp)
-
-
-def stop(process: subprocess.Popen[bytes], signum: int, grace_s: float = 30) -> None:
-    if process.poll() is None:
-        process.send_signal(signum)
-    try:
-        process.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 def wait_for_stop(processes: Sequence[subprocess.Popen[bytes]]) -> None:
@@ -164,24 +137,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Children stay in this script's process group: Ctrl-C in a terminal reaches them all.
         gunicorn = None
         if not args.backend:
-            command = [
-                sys.executable,
-                "-m",
-                "gunicorn",
-                "-c",
-                "gunicorn_conf.py",
-                *args.gunicorn_args,
-                "wsgi:app",
-            ]
-            gunicorn = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "SERVE_BIND": backends[0]})
+            gunicorn = start(os.environ, backends[0], args=args.gunicorn_args, new_group=False)
         command = [nginx, "-p", str(prefix), "-c", str(conf), "-e", str(error_log), "-g", "daemon off;"]
         nginx_process = subprocess.Popen(command, cwd=ROOT)
         processes = [p for p in (nginx_process, gunicorn) if p is not None]
         try:
             url = probe_url(args.listen)
-            wait_ready(url, processes, error_log)
+            wait_ready(url, processes, timeout=READY_TIMEOUT_S, log_path=error_log)
             print(f"serve-behind-nginx: ready on {url} (nginx config and logs in {prefix})", flush=True)
             wait_for_stop(processes)
+        except LaunchError as exc:
+            print(f"serve-behind-nginx: {exc}", file=sys.stderr)
+            return 1
         finally:
             # nginx first, gracefully (SIGQUIT finishes the requests in flight), then the service.
             stop(nginx_process, signal.SIGQUIT)

@@ -37,8 +37,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.support.procs import children, rss_bytes  # noqa: E402
-from tests.support.server import Server, gunicorn  # noqa: E402
+from scripts.launcher import Service, serve  # noqa: E402
+from scripts.procs import children, rss_bytes  # noqa: E402
+from service.models.base import sample_item  # noqa: E402
 
 OUTCOMES = ("2xx", "4xx", "503", "504", "other 5xx", "connection error", "lost")
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -66,13 +67,7 @@ class Request:
 
 
 def valid_request(info: dict[str, Any], rng: random.Random) -> Request:
-    model = info["model"]
-    if model["item_kind"] == "text":
-        words = ("a", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog")
-        item: Any = " ".join(rng.choice(words) for _ in range(rng.randint(3, 16)))
-    else:
-        width = model["item_shape"][0]
-        item = [round(rng.uniform(-1, 1), 4) for _ in range(width)]
+    item = sample_item(info["model"], rng)
     # The batched route: the naive one, there for comparison, has no queue of its own to bound.
     path = rng.choice(("/predict", "/predict/batched"))
     return Request("valid", json.dumps({"inputs": [item]}).encode(), JSON_HEADERS, path)
@@ -164,7 +159,7 @@ def run_clients(count: int, target: Callable[[int], None]) -> list[threading.Thr
 
 
 def measure_capacity(
-    server: Server, info: dict[str, Any], seconds: float, clients: int, timeout: float
+    server: Service, info: dict[str, Any], seconds: float, clients: int, timeout: float
 ) -> float:
     """Valid requests answered 2xx per second by closed-loop clients."""
     tally = Tally()
@@ -184,7 +179,7 @@ def measure_capacity(
 
 
 def overload(
-    server: Server,
+    server: Service,
     info: dict[str, Any],
     rate: float,
     seconds: float,
@@ -230,7 +225,7 @@ def overload(
 class Faults:
     """SIGKILL one worker a minute and SIGHUP the master once, while ``stop`` is unset."""
 
-    server: Server
+    server: Service
     seconds: float
     log: list[str] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
@@ -262,7 +257,7 @@ class Memory:
     so growth measures what serving adds.
     """
 
-    server: Server
+    server: Service
     samples: dict[int, list[int]] = field(default_factory=dict)
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -359,14 +354,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.duration < 30:
         parser.error("--duration must be at least 30 seconds")
 
-    env = {k: v for k, v in os.environ.items() if k.startswith("SERVE_") and k != "SERVE_BIND"}
+    env = dict(os.environ)
     if args.model:
         env["SERVE_MODEL"] = args.model
     if args.workers:
         env["SERVE_WORKERS"] = str(args.workers)
     calibrate = min(20.0, args.duration / 6)
-    with gunicorn(env, host="127.0.0.1", ready_timeout=300) as server:
+    # Every worker up before calibrating, or the capacity measured is a fraction of the real one.
+    with serve(env, ready_timeout=300, all_workers=True) as server:
         info = json.loads(_get(server, "/info"))
+        try:
+            sample_item(info["model"])
+        except ValueError as exc:
+            parser.error(str(exc))
         timeout = info["limits"]["request_timeout_ms"] / 1000 + 30  # a deadline, then some
         print(
             f"soak: {info['model']['name']} on {server.url}, calibrating for {calibrate:.0f} s",
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _get(server: Server, path: str) -> str:
+def _get(server: Service, path: str) -> str:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     try:
         conn.request("GET", path)

@@ -21,10 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from service.inventory import read_inventory
-from service.offline import Measurement, measure, splits_for
+from service.offline import Measurement, OfflineError, measure, splits_for
 from service.settings import Settings
 
-SENTENCE = "The quick brown fox jumps over the lazy dog near the quiet river bank."
 GOOD_ENOUGH = 0.95
 
 
@@ -39,14 +38,16 @@ def main() -> None:
         env["SERVE_MODEL"] = args.model
     settings = Settings.from_env(env)
     cores = read_inventory().usable_cores  # CPU affinity and cgroup quota
-    item = SENTENCE if settings.model == "minilm" else [0.5] * settings.mlp_width
     sizes = [1 << i for i in range(args.max_batch.bit_length()) if 1 << i <= args.max_batch]
     curves: dict[str, list[Measurement]] = {}
     print(f"model {settings.model}, {cores} usable cores, batch sizes {sizes}\n")
     print("| split (workers x torch threads) | batch | items/s | batch ms (median) |")
     print("| --- | ---: | ---: | ---: |")
     for split in splits_for(cores):
-        curves[str(split)] = measure(settings, split, sizes, item, seconds=args.seconds)
+        try:
+            curves[str(split)] = measure(settings, split, sizes, seconds=args.seconds)
+        except OfflineError as exc:
+            raise SystemExit(f"tune: {exc}") from None
         for m in curves[str(split)]:
             print(f"| {split} | {m.batch_size} | {m.items_per_s:.0f} | {m.batch_ms_median:.1f} |", flush=True)
     best_split, best_curve = max(curves.items(), key=lambda kv: max(m.items_per_s for m in kv[1]))

@@ -8,7 +8,8 @@ list of prepared items to a sequence of outputs of the same length.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import random
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
@@ -37,6 +38,39 @@ def describe(model: Model) -> dict[str, Any]:
         "item_shape": list(model.item_shape) if model.item_shape is not None else None,
         "device": model.device,
     }
+
+
+SAMPLE_SENTENCE = "The quick brown fox jumps over the lazy dog near the quiet river bank."
+
+
+def sample_item(model_info: Mapping[str, Any], rng: random.Random | None = None) -> Any:
+    """An item the model that ``model_info`` describes accepts (``describe``'s dict, /info's "model").
+
+    Benchmarks, the soak test and load tests all send these. Without ``rng`` it
+    is always the same item; with one, a random item of the same kind and shape,
+    for traffic that varies. Raises ``ValueError`` for a model whose items it
+    cannot make up.
+    """
+    kind, shape = model_info["item_kind"], model_info["item_shape"]
+    if kind == "text":
+        if rng is None:
+            return SAMPLE_SENTENCE
+        words = SAMPLE_SENTENCE.rstrip(".").split()
+        return " ".join(rng.choice(words) for _ in range(rng.randint(3, 16)))
+    if kind in ("vector", "tensor") and shape:
+        return _numbers(tuple(shape), rng)
+    hint = " (for a model file, set SERVE_ITEM_SHAPE)" if kind == "tensor" else ""
+    raise ValueError(
+        f"no sample item for model {model_info.get('name')!r}: its items are {kind!r} of shape "
+        f"{shape}; sample items exist for 'text' and for 'vector' or 'tensor' of a known shape{hint}"
+    )
+
+
+def _numbers(shape: tuple[int, ...], rng: random.Random | None) -> Any:
+    """Nested lists of ``shape``: all 0.5, or random numbers in [-1, 1] with ``rng``."""
+    if not shape:
+        return 0.5 if rng is None else round(rng.uniform(-1, 1), 4)
+    return [_numbers(shape[1:], rng) for _ in range(shape[0])]
 
 
 def json_type(value: Any) -> str:

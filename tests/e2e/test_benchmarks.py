@@ -112,6 +112,19 @@ def test_bench_script_starts_the_service_and_writes_its_table_data_and_plots(tmp
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_script_with_the_asyncio_generator_measures_without_errors(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")} | SMALL_MLP
+    command = [sys.executable, "scripts/bench.py", "--generator", "asyncio", "--no-offline"]
+    command += ["--concurrency", "4", "--seconds", "1", "--warmup", "0", "--out", str(out)]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((out / "results.json").read_text())
+    assert data["generator"] == "asyncio"
+    assert {(r["route"], r["clients"]) for r in data["rows"]} == {("naive", 4), ("batched", 4)}
+    assert all(r["errors"] == 0 and r["rps"] > 0 for r in data["rows"])
+
+
 def test_bench_script_refuses_non_loopback_targets(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "scripts/bench.py", "--url", "http://10.0.0.1:8000", "--out", str(tmp_path)],

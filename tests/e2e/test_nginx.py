@@ -155,10 +155,12 @@ def request_ids(response: requests.Response) -> list[str]:
     return list(response.raw.headers.getlist("X-Request-ID"))
 
 
+# "/", "+" and "=" too, as in base64 or a trace's span path: the service accepts them, so nginx must.
+@pytest.mark.parametrize("template", ["client-{}", "span/{}+tenant=a.b:c_d"])
 def test_the_clients_request_id_reaches_the_service_and_comes_back_once(
-    proxy: Proxy, pair: tuple[Server, Server]
+    proxy: Proxy, pair: tuple[Server, Server], template: str
 ) -> None:
-    rid = f"client-{uuid.uuid4().hex}"
+    rid = template.format(uuid.uuid4().hex)
     response = requests.post(
         proxy.url + "/predict", json={"inputs": [item()]}, headers={"X-Request-ID": rid}, timeout=30
     )

@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.support.procs import established_connections, rss_bytes
+from scripts.procs import rss_bytes
+from tests.support.procs import established_connections
 from tests.support.server import Server, gunicorn
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]

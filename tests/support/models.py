@@ -266,3 +266,34 @@ SECRET_PATH = "/srv/private/weights-7f3a.bin"
 def unloadable() -> EchoModel:
     """A factory that fails as a model with unreadable weights does."""
     raise FileNotFoundError(f"cannot read the weights at {SECRET_PATH}")
+
+
+def broken_load() -> EchoModel:
+    """A factory that fails, like a model whose weights are missing."""
+    raise RuntimeError("injected load failure")
+
+
+class BrokenPredictModel(EchoModel):
+    """Loads, then raises on every batch."""
+
+    name = "broken-predict"
+
+    def predict(self, batch: list[str]) -> list[list[float]]:
+        raise RuntimeError("injected predict failure")
+
+
+def broken_predict() -> BrokenPredictModel:
+    return BrokenPredictModel()
+
+
+def fails_in_one_process() -> EchoModel:
+    """Fails to load in the first process that calls it, and loads in every other.
+
+    The processes agree through ``$TEST_FAIL_DIR/failed``, created exclusively:
+    the others then wait for the one that failed, as they would in production.
+    """
+    try:
+        Path(os.environ["TEST_FAIL_DIR"], "failed").touch(exist_ok=False)
+    except FileExistsError:
+        return EchoModel()
+    raise RuntimeError("injected load failure in one process")

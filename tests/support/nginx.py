@@ -12,8 +12,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from scripts.launcher import ROOT, free_port, stop, wait_ready
 from scripts.serve_behind_nginx import find_nginx
-from tests.support.server import ROOT, free_port, stop_group, wait_ready
 
 NGINX = find_nginx()
 SKIP_REASON = "nginx not found on PATH or in /usr/sbin: install Debian's nginx package (.ci/run does)"
@@ -73,7 +73,7 @@ def nginx(
             )
         url = f"http://127.0.0.1:{port}"
         try:
-            wait_ready(url, process, ready_timeout, log_path)
+            wait_ready(url, [process], timeout=ready_timeout, log_path=log_path)
             yield Proxy(url, prefix, process, log_path)
         finally:
-            stop_group(process)
+            stop(process, grace=20)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import string
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ from scripts.render_nginx import (
     gunicorn_keepalive,
     render,
 )
+from service.access import request_id
 from service.errors import SettingsError
 from service.settings import Settings
 from tests.support.server import ROOT
@@ -76,6 +78,18 @@ def test_forwarding_headers_request_id_and_error_pages() -> None:
     for status in (413, 502, 503, 504):
         assert re.search(rf"error_page {status} @\w+;", text)
         assert re.search(rf"return {status} '\{{\"error\":", text)
+
+
+def test_nginx_passes_on_exactly_the_request_ids_the_service_keeps() -> None:
+    # The map's regex, run here by Python's re: for a bracket class and a
+    # count, PCRE (nginx's) and re agree.
+    [pattern] = re.findall(r'^\s*"~\^(.*)\$"\s+\$http_x_request_id;', rendered(), flags=re.MULTILINE)
+    nginx_keeps = re.compile(pattern)
+    candidates = [*string.printable, "\u00e9", "a" * 128, "a" * 129, "", "trace/abc+def==", "two words"]
+    for rid in candidates:
+        service_keeps = request_id(rid) == rid
+        assert bool(nginx_keeps.fullmatch(rid)) == service_keeps, repr(rid)
+    assert nginx_keeps.fullmatch("span/0Af+x=_.:-")
 
 
 @pytest.mark.parametrize(

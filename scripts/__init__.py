@@ -1,0 +1,1 @@
+"""Command-line tools around the service; the tests import their helpers from here too."""
