@@ -121,7 +121,7 @@ class Batcher:
         self._policy = policy or GatherPolicy()
         self._observer = observer or BatchObserver()
         self._queue: native.SimpleQueue[Any] = native.SimpleQueue()
-        self._lock = native.allocate_lock()  # guards _depth and _accepting
+        self._lock = native.allocate_lock()  # guards _depth, _accepting and the in-flight counts
         self._depth = 0
         self._accepting = True
         self._carry: Pending | None = None

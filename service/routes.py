@@ -69,15 +69,14 @@ def _read_body() -> bytes:
         raise BadRequest(f"the request body could not be read ({type(exc).__name__})") from None
 
 
-def _parse(rt: ModelRuntime) -> tuple[Model, list[object]]:
-    model, _ = rt.require_ready()
+def _parse(rt: ModelRuntime, model: Model) -> list[object]:
     body = _read_body()
     limit = rt.settings.max_body_bytes
     if len(body) > limit:
         # A chunked body has no Content-Length to refuse up front; werkzeug stops
         # reading it one byte past the limit (MAX_CONTENT_LENGTH is limit + 1).
         raise PayloadTooLarge(f"the request body is over {limit} bytes (SERVE_MAX_BODY_BYTES)")
-    return model, parse_inputs(body, request.content_type, model, rt.settings.max_items_per_request)
+    return parse_inputs(body, request.content_type, model, rt.settings.max_items_per_request)
 
 
 def _predictions(model: Model, outputs: Outputs, batch_size: int) -> Response:
@@ -91,7 +90,8 @@ def _predictions(model: Model, outputs: Outputs, batch_size: int) -> Response:
 @bp.post("/predict/naive")
 def predict_naive() -> Response:
     rt = runtime()
-    model, items = _parse(rt)
+    model, _ = rt.require_ready()
+    items = _parse(rt, model)
     outputs = rt.predict_naive(items)
     return _predictions(model, outputs, len(items))
 
@@ -101,10 +101,10 @@ def predict_naive() -> Response:
 def predict_batched() -> Response:
     deadline = _deadline(time.monotonic())
     rt = runtime()
-    _, batcher = rt.require_ready()
+    model, batcher = rt.require_ready()
     with batcher.in_flight():
-        model, items = _parse(rt)
-        pending = rt.submit(items, deadline)
+        items = _parse(rt, model)
+        pending = batcher.submit(items, deadline)
         outputs = wait_result(pending.future, deadline - time.monotonic())
     return _predictions(model, outputs, pending.batch_size)
 

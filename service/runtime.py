@@ -31,7 +31,7 @@ from typing import Any
 from flask import Flask
 
 from service import native
-from service.batching import Batcher, BatchObserver, GatherPolicy, Pending, notify
+from service.batching import Batcher, BatchObserver, GatherPolicy, notify
 from service.errors import NotReady
 from service.models import Model, load_model
 from service.models.base import Outputs
@@ -159,10 +159,6 @@ class ModelRuntime:
             raise client_error(exc, len(items)) from None
         check_outputs(outputs, len(items))
         return outputs
-
-    def submit(self, items: list[Any], deadline: float) -> Pending:
-        _, batcher = self.require_ready()
-        return batcher.submit(items, deadline)
 
     def stop(self, timeout: float | None = None) -> bool:
         """Drain the batcher: answer every accepted request, then end its thread."""
