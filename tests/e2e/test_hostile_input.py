@@ -141,7 +141,7 @@ def test_hostile_requests_leave_the_worker_memory_where_it_was(server: Server) -
     (pid,) = server.workers()
     corpus = _corpus()
     rss = []
-    for _ in range(8):
+    for _ in range(16):
         for body, content_type in corpus:
             for route in ROUTES:
                 # A new connection each: after refusing a body it did not read, gunicorn
@@ -149,4 +149,10 @@ def test_hostile_requests_leave_the_worker_memory_where_it_was(server: Server) -
                 headers = {"Content-Type": content_type} if content_type else {}
                 assert 400 <= server.post(route, data=body, headers=headers).status_code < 500
         rss.append(rss_bytes(pid) or 0)
-    assert rss[-1] - rss[2] < 16 << 20, f"worker RSS went from {rss[2]} to {rss[-1]} bytes"
+    # The allocator keeps what the largest bodies needed, in one arena per request
+    # thread, so RSS climbs for the first few rounds (measured: about 30 MiB over
+    # five) and then moves in steps of up to about 12 MiB as another arena grows.
+    # The next ten rounds send over 40 MiB of bodies; a leak of their parsed values
+    # (8x the bytes) or of most of the raw bytes still shows.
+    warm = rss[5]
+    assert rss[-1] - warm < 24 << 20, f"worker RSS went from {warm} to {rss[-1]} bytes after warming: {rss}"

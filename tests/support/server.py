@@ -38,9 +38,14 @@ def gunicorn(
     host: str = "127.0.0.1",
     args: tuple[str, ...] = (),
     ready_timeout: float = 90,
-    all_workers: bool = False,
+    all_workers: bool = True,
 ) -> Iterator[Server]:
-    """gunicorn on a free port of ``host`` with the SERVE_* settings in ``env`` and no others."""
+    """gunicorn on a free port of ``host`` with the SERVE_* settings in ``env`` and no others.
+
+    By default it is yielded once every planned worker has loaded its model: a
+    test that waited only for the first would race the others' start (on a busy
+    machine every request could reach the one worker that was up).
+    """
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")}
     full_env.update(env or {})
     with serve(
