@@ -62,27 +62,48 @@ class GatherPolicy:
 
     ``delay_s`` > 0 is the classic fixed window, counted from the first request's
     arrival. With no fixed window, ``adaptive`` waits only while more requests are
-    expected than the batch holds yet, and for at most ``fraction`` of a model call
-    counted from when gathering began. Closed-loop clients answered together come
+    expected than the batch holds yet. Closed-loop clients answered together come
     back within a few milliseconds of each other, and gathering them costs far
     less than running the first alone while the rest wait a whole model call. A
     lone client is never expected to send more, so it never waits.
+
+    The adaptive window is ``fraction`` of a model call (at most ``max_wait_s``)
+    from when gathering began. It stretches while requests keep arriving, each
+    within ``arrival_gap_s`` of the one before, up to ``stretch_fraction`` of a
+    model call: dozens of clients take longer than the base window to come back
+    through HTTP, and one that misses the batch waits a whole model call plus
+    the next gathering, twice what the others wait.
     """
 
     delay_s: float = 0.0
     adaptive: bool = True
     fraction: float = 0.25
     max_wait_s: float = 0.05
+    # Python's GIL switch interval (5 ms): a request thread that is ready to
+    # submit can wait that long for its turn.
+    arrival_gap_s: float = 0.005
+    stretch_fraction: float = 0.5
 
     def deadline(
-        self, *, first_arrival: float, gather_start: float, requests: int, expected: int, model_time_s: float
+        self,
+        *,
+        first_arrival: float,
+        gather_start: float,
+        last_arrival: float,
+        requests: int,
+        expected: int,
+        model_time_s: float,
     ) -> float | None:
         """Until when to wait for the next request; None: take only what is queued."""
         if self.delay_s > 0:
             return first_arrival + self.delay_s
-        if self.adaptive and requests < expected and model_time_s > 0:
-            return gather_start + min(self.fraction * model_time_s, self.max_wait_s)
-        return None
+        if not (self.adaptive and requests < expected and model_time_s > 0):
+            return None
+        base = gather_start + min(self.fraction * model_time_s, self.max_wait_s)
+        stretched = min(
+            last_arrival + self.arrival_gap_s, gather_start + self.stretch_fraction * model_time_s
+        )
+        return max(base, stretched)
 
 
 class BatchObserver:
@@ -268,11 +289,12 @@ class Batcher:
             return None
         batch = [first]
         size = len(first.items)
-        gather_start = time.monotonic()
+        gather_start = last_arrival = time.monotonic()
         while size < self._max_batch_size:
             wait_until = self._policy.deadline(
                 first_arrival=first.enqueued_at,
                 gather_start=gather_start,
+                last_arrival=last_arrival,
                 requests=len(batch),
                 expected=max(self._cycle_peak, self._in_flight),
                 model_time_s=self._model_time_s,
@@ -290,6 +312,10 @@ class Batcher:
                 break
             batch.append(nxt)
             size += len(nxt.items)
+            # When it was taken, not when it was queued: the batch thread can wait
+            # a switch interval for the GIL after each put, and by then a window
+            # counted from the put would already be over.
+            last_arrival = time.monotonic()
         return batch
 
     def _run_batch(self, batch: list[Pending]) -> None:

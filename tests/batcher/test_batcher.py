@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -237,40 +238,72 @@ class TestGatherPolicy:
     def test_no_wait_by_default_for_a_lone_request(self) -> None:
         policy = GatherPolicy()
         assert (
-            policy.deadline(first_arrival=0, gather_start=0, requests=1, expected=1, model_time_s=0.05)
+            policy.deadline(
+                first_arrival=0, gather_start=0, last_arrival=0, requests=1, expected=1, model_time_s=0.05
+            )
             is None
         )
 
     def test_fixed_delay_counts_from_the_first_arrival(self) -> None:
         policy = GatherPolicy(delay_s=0.01)
         assert (
-            policy.deadline(first_arrival=5.0, gather_start=5.004, requests=1, expected=1, model_time_s=0)
+            policy.deadline(
+                first_arrival=5.0,
+                gather_start=5.004,
+                last_arrival=5.004,
+                requests=1,
+                expected=1,
+                model_time_s=0,
+            )
             == 5.01
         )
 
     def test_adaptive_waits_a_fraction_of_the_model_time_while_more_are_expected(self) -> None:
         policy = GatherPolicy(fraction=0.25, max_wait_s=1)
         assert (
-            policy.deadline(first_arrival=0, gather_start=2, requests=1, expected=8, model_time_s=0.04)
+            policy.deadline(
+                first_arrival=0, gather_start=2, last_arrival=2, requests=1, expected=8, model_time_s=0.04
+            )
             == 2.01
         )
 
     def test_adaptive_wait_is_capped(self) -> None:
         policy = GatherPolicy(fraction=0.5, max_wait_s=0.02)
         assert (
-            policy.deadline(first_arrival=0, gather_start=0, requests=1, expected=8, model_time_s=10) == 0.02
+            policy.deadline(
+                first_arrival=0, gather_start=0, last_arrival=0, requests=1, expected=8, model_time_s=10
+            )
+            == 0.02
         )
 
     def test_adaptive_does_not_wait_before_a_model_time_is_known(self) -> None:
         assert (
-            GatherPolicy().deadline(first_arrival=0, gather_start=0, requests=1, expected=8, model_time_s=0)
+            GatherPolicy().deadline(
+                first_arrival=0, gather_start=0, last_arrival=0, requests=1, expected=8, model_time_s=0
+            )
             is None
         )
+
+    def test_adaptive_window_stretches_while_requests_keep_arriving(self) -> None:
+        policy = GatherPolicy(fraction=0.25, max_wait_s=1, arrival_gap_s=0.005, stretch_fraction=0.5)
+        kwargs = {
+            "first_arrival": 0.0,
+            "gather_start": 0.0,
+            "requests": 3,
+            "expected": 8,
+            "model_time_s": 0.1,
+        }
+        assert policy.deadline(last_arrival=0.0, **kwargs) == 0.025  # the base window
+        assert policy.deadline(last_arrival=0.03, **kwargs) == pytest.approx(0.035)  # a gap after the last
+        assert policy.deadline(last_arrival=0.048, **kwargs) == 0.05  # never past half a model call
 
     def test_eager_never_waits(self) -> None:
         policy = GatherPolicy(adaptive=False)
         assert (
-            policy.deadline(first_arrival=0, gather_start=0, requests=1, expected=8, model_time_s=1) is None
+            policy.deadline(
+                first_arrival=0, gather_start=0, last_arrival=0, requests=1, expected=8, model_time_s=1
+            )
+            is None
         )
 
 
@@ -287,6 +320,28 @@ def test_adaptive_gathering_waits_for_a_request_still_being_parsed(cleanup: list
         b = batcher.submit(["b"], FAR)
         assert wait_result(a.future, 10) == ["a"] and wait_result(b.future, 10) == ["b"]
     assert seen[-1] == ["a", "b"]
+
+
+def test_adaptive_gathering_takes_requests_that_keep_arriving_past_the_base_window(
+    cleanup: list[Batcher],
+) -> None:
+    seen: list[list[Any]] = []
+    # A 1 ms base window and arrivals 50 ms apart: each one, coming within the gap
+    # of the last, keeps the window open.
+    policy = GatherPolicy(max_wait_s=0.001, arrival_gap_s=0.5, stretch_fraction=1e9)
+    batcher = started(lambda batch: seen.append(list(batch)) or batch, policy=policy)
+    cleanup.append(batcher)
+    assert wait_result(batcher.submit(["warmup"], FAR).future, 10) == ["warmup"]
+    with contextlib.ExitStack() as handlers:
+        for _ in range(5):  # five clients inside their handlers; three of them will send
+            handlers.enter_context(batcher.in_flight())
+        sent = []
+        for item in ("a", "b", "c"):
+            sent.append(batcher.submit([item], FAR))
+            time.sleep(0.05)
+        # Two never come: the batch runs once no request has arrived for the gap.
+        assert [wait_result(p.future, 10) for p in sent] == [["a"], ["b"], ["c"]]
+    assert seen[-1] == ["a", "b", "c"]
 
 
 def test_adaptive_gathering_never_holds_a_lone_request(cleanup: list[Batcher]) -> None:
