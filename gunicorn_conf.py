@@ -12,6 +12,7 @@ import os
 import sys
 
 from service import lifecycle, multiproc
+from service.balance import Balance, ConnectionShares
 from service.errors import SettingsError
 from service.inventory import first_inventory
 from service.logs import logging_config
@@ -19,6 +20,7 @@ from service.model_spec import check_spec
 from service.settings import Settings, cuda_visible_devices
 from service.slots import SlotTable
 from service.topology import plan as plan_topology
+from service.worker import BalancedThreadWorker
 
 try:
     settings = Settings.from_env()
@@ -32,6 +34,9 @@ except SettingsError as exc:
 
 bind = settings.bind
 worker_class = plan.worker_class
+if worker_class == "gthread" and settings.balance_connections:
+    # gthread, but each worker accepts only its share of the connections (service.balance).
+    worker_class = "service.worker.BalancedThreadWorker"
 workers = len(plan.workers)
 threads = plan.threads
 if plan.worker_connections is not None:
@@ -64,6 +69,9 @@ accesslog = None
 # Gunicorn reads this file again on SIGHUP, which starts an empty table while the
 # old workers drain; the new workers then take slots 0.. and the same devices.
 slots = SlotTable()
+# Each worker's open connections, in memory the workers inherit when forked; a
+# few entries spare for workers added past the plan with TTIN.
+connection_shares = ConnectionShares(len(plan.workers) + 8)
 
 
 # -- hooks ------------------------------------------------------------------------
@@ -81,6 +89,7 @@ def pre_fork(server, worker):
 
 def post_fork(server, worker):
     _enter_slot(server, worker)
+    _join_balance(server, worker)
 
 
 def post_worker_init(worker):
@@ -95,6 +104,7 @@ def worker_exit(server, worker):
 
 def child_exit(server, worker):
     _free_slot(server, worker)
+    _leave_balance(server, worker)
     _drop_live_metrics(worker)
 
 
@@ -158,6 +168,19 @@ def _enter_slot(server, worker):
 
 def _free_slot(server, worker):
     slots.release(worker.age)
+
+
+# -- connections shared evenly between workers ------------------------------------------
+
+
+def _join_balance(server, worker):
+    if isinstance(worker, BalancedThreadWorker) and worker.serve_slot < connection_shares.capacity:
+        worker.balance = Balance(connection_shares, worker.serve_slot)
+
+
+def _leave_balance(server, worker):
+    # At once, rather than when its entry goes stale: the others stop counting it.
+    connection_shares.forget(worker.serve_slot, worker.pid)
 
 
 # -- metrics over all workers -------------------------------------------------------

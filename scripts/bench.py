@@ -22,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -37,6 +38,9 @@ from service.models.base import sample_item  # noqa: E402
 
 ITEMS_METRIC = "serve_inferred_items_total"
 BATCHES_METRIC = "serve_batches_total"
+# A worker reaps a closed keep-alive connection on its event loop's next turn,
+# which a busy worker reaches within a batch; a second covers the slowest model here.
+SETTLE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -183,12 +187,24 @@ def sweep(url: str, body: bytes, args: argparse.Namespace) -> tuple[list[Row], s
             target = f"{url}/predict/{route}"
             if args.warmup > 0:
                 run_load(target, body, clients, args.warmup, args.generator == "auto")
+                settle()
             before = metric_totals(url)
             result = run_load(target, body, clients, args.seconds, args.generator == "auto")
             after = metric_totals(url)
+            settle()
             runs.setdefault((route, clients), []).append(to_row(route, result, args.items, before, after))
             generator = result.generator
     return [median_row(rows) for rows in runs.values()], generator
+
+
+def settle() -> None:
+    """Let the service close the last run's connections before the next run's clients connect.
+
+    Workers share connections by how many each holds open (service.balance); a
+    worker still holding closed connections that it has not yet reaped would
+    take too few of the new ones, for the whole of the next run.
+    """
+    time.sleep(SETTLE_S)  # the closes happen inside the service; nothing to wait on from here
 
 
 def median_row(rows: list[Row]) -> Row:

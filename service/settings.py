@@ -60,6 +60,19 @@ def _choice(*allowed: str) -> Callable[[str, str], str]:
     return parse
 
 
+_SWITCH = {
+    **dict.fromkeys(("1", "true", "yes", "on"), True),
+    **dict.fromkeys(("0", "false", "no", "off"), False),
+}
+
+
+def _switch(name: str, raw: str) -> bool:
+    value = _SWITCH.get(raw.strip().lower())
+    if value is None:
+        raise SettingsError(f"{name} must be on or off (or 1/0, true/false, yes/no), got {raw!r}")
+    return value
+
+
 def _text(name: str, raw: str) -> str:
     value = raw.strip()
     if not value:
@@ -159,6 +172,7 @@ class Settings:
     torch_threads: int | None = None
     worker_class: str = "gthread"
     worker_connections: int | None = None
+    balance_connections: bool = True
     devices: str = "auto"
     workers_per_device: int | None = None
     gpu_memory_per_worker_mb: int | None = None
@@ -235,6 +249,7 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "torch_threads": ("SERVE_TORCH_THREADS", _integer(1, 1024)),
     "worker_class": ("SERVE_WORKER_CLASS", _choice(*WORKER_CLASSES)),
     "worker_connections": ("SERVE_WORKER_CONNECTIONS", _integer(1, 100_000)),
+    "balance_connections": ("SERVE_BALANCE_CONNECTIONS", _switch),
     "devices": ("SERVE_DEVICES", _devices),
     "workers_per_device": ("SERVE_WORKERS_PER_DEVICE", _integer(1, 256)),
     "gpu_memory_per_worker_mb": ("SERVE_GPU_MEMORY_PER_WORKER_MB", _integer(1, 16_777_216)),

@@ -41,6 +41,12 @@ def test_the_stall_limit_follows_the_request_timeout_unless_set() -> None:
         Settings.from_env({"SERVE_STALL_TIMEOUT_MS": "50"})
 
 
+@pytest.mark.parametrize(("value", "expected"), [("on", True), ("1", True), ("OFF", False), ("no", False)])
+def test_switches_take_on_and_off_and_their_usual_spellings(value: str, expected: bool) -> None:
+    assert Settings.from_env({"SERVE_BALANCE_CONNECTIONS": value}).balance_connections is expected
+    assert Settings().balance_connections is True
+
+
 def test_an_empty_value_means_the_default() -> None:
     assert Settings.from_env({"SERVE_MAX_BATCH_SIZE": ""}).max_batch_size == 64
 
@@ -56,6 +62,7 @@ def test_an_empty_value_means_the_default() -> None:
         ("SERVE_ITEM_SHAPE", "3,x", "SERVE_ITEM_SHAPE must be a comma-separated list of positive integers"),
         ("SERVE_BIND", "8000", "SERVE_BIND must be HOST:PORT or unix:PATH, got '8000'"),
         ("SERVE_MAX_BODY_BYTES", "10", "SERVE_MAX_BODY_BYTES must be an integer from 1024"),
+        ("SERVE_BALANCE_CONNECTIONS", "maybe", "SERVE_BALANCE_CONNECTIONS must be on or off"),
     ],
 )
 def test_bad_values_name_the_variable_the_value_and_what_is_allowed(

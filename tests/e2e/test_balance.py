@@ -1,0 +1,102 @@
+"""End to end: two gthread workers share the keep-alive connections evenly (service.balance)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+
+from tests.support.server import Server, gunicorn
+
+pytestmark = pytest.mark.e2e
+
+TWO_WORKERS = {
+    "SERVE_MODEL": "mlp",
+    "SERVE_MLP_WIDTH": "16",
+    "SERVE_MLP_DEPTH": "2",
+    "SERVE_WORKERS": "2",
+    "SERVE_TORCH_THREADS": "1",
+}
+
+
+class Connection:
+    """One kept-alive client connection, on which requests go one at a time."""
+
+    def __init__(self, server: Server) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+
+    def send_info(self) -> None:
+        self.sock.sendall(b"GET /info HTTP/1.1\r\nHost: test\r\n\r\n")
+
+    def pid(self) -> int:
+        """The pid in the /info answer: which worker holds this connection."""
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += self.sock.recv(65536)
+        head, body = data.split(b"\r\n\r\n", 1)
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length")
+        )
+        while len(body) < length:
+            body += self.sock.recv(65536)
+        return int(json.loads(body)["pid"])
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@contextlib.contextmanager
+def connections(server: Server, count: int) -> Iterator[list[Connection]]:
+    opened = [Connection(server) for _ in range(count)]
+    try:
+        yield opened
+    finally:
+        for connection in opened:
+            connection.close()
+
+
+def holders(opened: list[Connection]) -> Counter[int]:
+    # All connect, then all ask, as a pool of clients starting together does.
+    for connection in opened:
+        connection.send_info()
+    return Counter(connection.pid() for connection in opened)
+
+
+def test_a_burst_of_connections_is_split_evenly_between_the_workers() -> None:
+    with gunicorn(TWO_WORKERS) as server:
+        assert "Using worker: service.worker.BalancedThreadWorker" in server.log()
+        with connections(server, 16) as opened:
+            split = holders(opened)
+        assert sorted(split) == sorted(server.workers())
+        # Within one connection: a count read one accept late can cost that much.
+        assert max(split.values()) - min(split.values()) <= 2, split
+
+
+def test_a_frozen_worker_does_not_stop_the_other_from_accepting() -> None:
+    with gunicorn(TWO_WORKERS) as server, connections(server, 8) as first:
+        split = holders(first)
+        assert len(split) == 2, split
+        frozen, other = sorted(split)
+        os.kill(frozen, signal.SIGSTOP)  # alive, holding its connections, accepting nothing
+        try:
+            with connections(server, 4) as later:
+                # The other worker is soon ahead of the frozen one's last count; once that
+                # count is stale it accepts regardless, so every request is answered.
+                assert holders(later) == {other: 4}
+        finally:
+            os.kill(frozen, signal.SIGCONT)
+
+
+def test_balancing_can_be_turned_off() -> None:
+    with gunicorn({**TWO_WORKERS, "SERVE_BALANCE_CONNECTIONS": "off"}) as server:
+        assert "Using worker: gthread" in server.log()
+        with connections(server, 4) as opened:
+            assert sum(holders(opened).values()) == 4
