@@ -2,9 +2,10 @@
 # - Gunicorn's workers share one listening socket, and the kernel hands each new
 #   connection to whichever worker accepts first. A keep-alive connection then
 #   stays with that worker for good, and each worker batches only its own
-#   connections. Left to chance, 64 clients land 39 and 25 on two workers as
-#   often as not: the first worker's requests wait 1.5 times as long, and a
-#   burst of 8 can land all on one worker while the other idles.
+#   connections. Left to chance, 64 clients land 39 and 25 or worse on two
+#   workers about one time in ten, and the first worker's requests then wait
+#   1.5 times as long; a burst of 8 can land all on one worker while the other
+#   idles.
 # - Here the workers agree on the split: each publishes how many connections
 #   it holds open into memory the gunicorn master shares with its forks
 #   (ConnectionShares, one entry per worker slot), and a worker that holds more
@@ -13,7 +14,7 @@
 #   every turn of its event loop). The kernel then gives the next connection to
 #   a worker that still accepts.
 # - Nobody is starved: the least-loaded worker always accepts. An entry
-#   that has not been refreshed for ``stale_s`` (a dead or wedged worker's) no
+#   that has not been refreshed for STALE_S (a dead or wedged worker's) no
 #   longer counts, so a worker that stops serving cannot stop the others
 #   accepting. The master forgets a slot as soon as its worker exits.
 # - Wake-ups: a worker that stops accepting looks again only when its event
@@ -70,8 +71,8 @@ class ConnectionShares:
         # reload); each forked worker holds its own copies.
         weakref.finalize(self, _close_all, list(self.wakeup_fds))
 
-    def publish(self, slot: int, connections: int, now: float, pid: int | None = None) -> None:
-        self._pids[slot] = os.getpid() if pid is None else pid
+    def publish(self, slot: int, connections: int, now: float, pid: int) -> None:
+        self._pids[slot] = pid
         self._counts[slot] = connections
         self._seen[slot] = now
 
@@ -127,6 +128,7 @@ class Balance:
         self._slot = slot
         self._slack = slack
         self._clock = clock
+        self._pid = os.getpid()  # made in the worker, after the fork (post_fork)
 
     @property
     def wakeup_fd(self) -> int:
@@ -135,7 +137,7 @@ class Balance:
 
     def may_accept(self, open_connections: int) -> bool:
         now = self._clock()
-        self._shares.publish(self._slot, open_connections, now)
+        self._shares.publish(self._slot, open_connections, now, self._pid)
         others = [self._shares.count(other) for other in self._shares.live(self._slot, now)]
         accept = may_accept(open_connections, others, self._slack)
         self._shares.set_refusing(self._slot, not accept)
@@ -144,7 +146,7 @@ class Balance:
     def accepted(self, open_connections: int) -> None:
         """After each accept: publish the new count at once, and let refusing workers look again."""
         now = self._clock()
-        self._shares.publish(self._slot, open_connections, now)
+        self._shares.publish(self._slot, open_connections, now, self._pid)
         self._shares.wake_refusing(self._shares.live(self._slot, now))
 
     def woken(self) -> None:

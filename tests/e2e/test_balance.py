@@ -12,17 +12,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.e2e.test_metrics import TWO_MLP_WORKERS as TWO_WORKERS
 from tests.support.server import Server, gunicorn
 
 pytestmark = pytest.mark.e2e
-
-TWO_WORKERS = {
-    "SERVE_MODEL": "mlp",
-    "SERVE_MLP_WIDTH": "16",
-    "SERVE_MLP_DEPTH": "2",
-    "SERVE_WORKERS": "2",
-    "SERVE_TORCH_THREADS": "1",
-}
 
 
 class Connection:

@@ -50,7 +50,7 @@ def test_a_slot_is_forgotten_only_for_the_worker_that_holds_it() -> None:
 
 def test_forked_workers_see_each_others_counts() -> None:
     shares = ConnectionShares(2)
-    child = multiprocessing.get_context("fork").Process(target=shares.publish, args=(1, 6, 50.0))
+    child = multiprocessing.get_context("fork").Process(target=shares.publish, args=(1, 6, 50.0, 77))
     child.start()
     child.join(30)
     assert child.exitcode == 0
