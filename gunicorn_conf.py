@@ -11,16 +11,17 @@ Each hook below calls one helper per concern; add a concern by adding a line.
 import os
 import sys
 
-from service import lifecycle, multiproc
-from service.balance import Balance, ConnectionShares
 from service.errors import SettingsError
-from service.inventory import first_inventory
+from service.host import lifecycle, multiproc
+from service.host.balance import Balance, ConnectionShares
+from service.host.slots import SlotTable
+from service.host.worker import BalancedThreadWorker
 from service.logs import logging_config
 from service.model_spec import check_spec
 from service.settings import Settings, cuda_visible_devices
-from service.slots import SlotTable
-from service.topology import plan as plan_topology
-from service.worker import BalancedThreadWorker
+from service.topology.inventory import first_inventory
+from service.topology.plan import plan as plan_topology
+from service.topology.table import render
 
 try:
     settings = Settings.from_env()
@@ -35,8 +36,8 @@ except SettingsError as exc:
 bind = settings.bind
 worker_class = plan.worker_class
 if worker_class == "gthread" and settings.balance_connections:
-    # gthread, but each worker accepts only its share of the connections (service.balance).
-    worker_class = "service.worker.BalancedThreadWorker"
+    # gthread, but each worker accepts only its share of the connections (service.host.balance).
+    worker_class = "service.host.worker.BalancedThreadWorker"
 workers = len(plan.workers)
 threads = plan.threads
 if plan.worker_connections is not None:
@@ -130,7 +131,7 @@ def _check_model():
 
 
 def _log_plan(server):
-    for line in plan.table().splitlines():
+    for line in render(plan).splitlines():
         if line.startswith("warning:"):
             server.log.warning("%s", line)
         elif line:
@@ -196,7 +197,7 @@ def _share_metrics(server):
     # prometheus_client reads the variable when first imported, so import it
     # only now, and here in the master: every worker inherits it before gevent
     # patches the worker, so its locks stay native OS locks that the batch
-    # thread and request greenlets can share (as service.native's are).
+    # thread and request greenlets can share (as service.batching.native's are).
     multiproc.import_client()
     server.log.info("metrics of all workers are kept in %s", path)
 

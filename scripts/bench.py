@@ -128,9 +128,9 @@ def get_json(url: str) -> Any:
 
 
 def offline_limit(env: dict[str, str], seconds: float) -> dict[str, Any]:
-    from service.inventory import read_inventory
-    from service.offline import OfflineError, measure, splits_for
+    from scripts.offline import OfflineError, measure, splits_for
     from service.settings import Settings
+    from service.topology.inventory import read_inventory
 
     settings = Settings.from_env(env)
     cores = read_inventory().usable_cores  # CPU affinity and cgroup quota
@@ -200,7 +200,7 @@ def sweep(url: str, body: bytes, args: argparse.Namespace) -> tuple[list[Row], s
 def settle() -> None:
     """Let the service close the last run's connections before the next run's clients connect.
 
-    Workers share connections by how many each holds open (service.balance); a
+    Workers share connections by how many each holds open (service.host.balance); a
     worker still holding closed connections that it has not yet reaped would
     take too few of the new ones, for the whole of the next run.
     """

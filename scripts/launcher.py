@@ -72,9 +72,9 @@ def gunicorn_command(args: Sequence[str] = ()) -> list[str]:
 
 def planned_workers(env: Mapping[str, str]) -> int:
     """How many workers gunicorn_conf.py will start with the SERVE_* settings in ``env``."""
-    from service.inventory import read_inventory
     from service.settings import Settings, cuda_visible_devices
-    from service.topology import plan
+    from service.topology.inventory import read_inventory
+    from service.topology.plan import plan
 
     return len(plan(Settings.from_env(env), read_inventory(cuda_visible_devices(env))).workers)
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.inventory import read_inventory
-from service.offline import Measurement, OfflineError, measure, splits_for
+from scripts.offline import Measurement, OfflineError, measure, splits_for
 from service.settings import Settings
+from service.topology.inventory import read_inventory
 
 GOOD_ENOUGH = 0.95
 

@@ -14,6 +14,6 @@ __all__ = ["create_app"]
 
 def create_app(settings: Settings | None = None) -> Flask:
     # Imported here so that ``import service`` stays cheap and starts nothing.
-    from service.app import create_app as build
+    from service.http.app import create_app as build
 
     return build(settings)

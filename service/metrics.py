@@ -13,7 +13,7 @@
 #   ran since the master started, dead ones included; gauges count live
 #   workers only ('livesum' adds them up, 'liveall' keeps one series per pid),
 #   because the master's child_exit hook deletes a dead worker's live-gauge
-#   files (service.multiproc.mark_dead).
+#   files (service.host.multiproc.mark_dead).
 # - Outside gunicorn (settings.prometheus_multiproc_dir is None) the values
 #   live in this app's own registry, which /metrics renders.
 # - Threads: request threads record through the HTTP hooks (service.access),
@@ -22,7 +22,7 @@
 #   switch to another greenlet inside. Under gunicorn its locks are native OS
 #   locks even in a gevent worker, because gunicorn_conf.py imports it in the
 #   master, before gevent patches the forked worker: the batch thread and the
-#   greenlets share them as they share service.native's.
+#   greenlets share them as they share service.batching.native's.
 
 """Prometheus metrics of the service, aggregated over all gunicorn workers."""
 
@@ -44,7 +44,7 @@ from prometheus_client import (
 )
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from service.batching import BatchObserver
+from service.batching.batcher import BatchObserver
 from service.errors import DeadlineExceeded, Overloaded, ServeError, SettingsError
 from service.settings import Settings
 

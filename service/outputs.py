@@ -1,7 +1,7 @@
 """What a model returned or raised, turned into what its callers are told.
 
 Shared by the naive route (service.runtime) and the batch thread
-(service.batching), so that both routes answer the same model behaviour with the
+(service.batching.batcher), so that both routes answer the same model behaviour with the
 same status and message.
 """
 

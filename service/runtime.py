@@ -5,15 +5,15 @@
 #   share of its memory, then loads the model in a new OS thread so that
 #   create_app() returns at once, and starts the batch thread and the watchdog
 #   once the model is ready. wait_loaded() lets a host hold back traffic until
-#   then (service.lifecycle does, under gunicorn).
+#   then (service.host.lifecycle does, under gunicorn).
 # - A model that fails to load leaves ``load_error`` set for good. Under
 #   gunicorn the worker then exits with its boot error and the master stops
-#   (service.lifecycle); without a host the app stays up and answers 503. The
+#   (service.host.lifecycle); without a host the app stays up and answers 503. The
 #   error's text goes to the log only: it can name paths on the host, so
 #   clients are told LOAD_FAILED.
 # - Request threads read ``model`` and ``batcher`` only after ``ready`` says so;
 #   both are assigned once and never replaced.
-# - A batch thread that dies or stalls is a fault (service.watchdog): from the
+# - A batch thread that dies or stalls is a fault (service.batching.watchdog): from the
 #   watchdog's thread, the runtime marks itself not ready for good, fails every
 #   request the batcher holds with 503, and calls ``on_fault``, which the host
 #   sets to replace the worker. Left unset, the process stays up, not ready.
@@ -30,14 +30,14 @@ from typing import Any
 
 from flask import Flask
 
-from service import native
-from service.batching import Batcher, BatchObserver, GatherPolicy, notify
+from service.batching import native
+from service.batching.batcher import Batcher, BatchObserver, GatherPolicy, notify
+from service.batching.watchdog import Watchdog
 from service.errors import NotReady
 from service.models import Model, load_model
 from service.models.base import Outputs
 from service.outputs import check_outputs, client_error
 from service.settings import Settings
-from service.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 

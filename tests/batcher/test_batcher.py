@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.batching import Batcher, GatherPolicy
+from service.batching.batcher import Batcher, GatherPolicy
+from service.batching.waiting import wait_result
 from service.errors import DeadlineExceeded, ModelError, NotReady, Overloaded
-from service.waiting import wait_result
 
 FAR = 1e18  # a deadline that never passes
 

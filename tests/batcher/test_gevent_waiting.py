@@ -21,10 +21,10 @@ import json
 import _thread
 import gevent
 import gevent.event
-from service import native
-from service.batching import Batcher, GatherPolicy
+from service.batching import native
+from service.batching.batcher import Batcher, GatherPolicy
 from service.errors import DeadlineExceeded
-from service.waiting import wait_result
+from service.batching.waiting import wait_result
 
 FAR = 1e18
 gate = native.allocate_lock()

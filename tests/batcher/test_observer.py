@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from service.batching import Batcher, BatchObserver, GatherPolicy
-from service.waiting import wait_result
+from service.batching.batcher import Batcher, BatchObserver, GatherPolicy
+from service.batching.waiting import wait_result
 from tests.batcher.test_batcher import FAR, GatedPredict
 
 

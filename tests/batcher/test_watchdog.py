@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from service.batching import Batcher, GatherPolicy, Pending
+from service.batching.batcher import Batcher, GatherPolicy, Pending
+from service.batching.waiting import wait_result
+from service.batching.watchdog import Watchdog, check_interval, diagnose
 from service.errors import DeadlineExceeded, ModelError, NotReady
-from service.waiting import wait_result
-from service.watchdog import Watchdog, check_interval, diagnose
 from tests.batcher.test_batcher import FAR, GatedPredict
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""End to end: two gthread workers share the keep-alive connections evenly (service.balance)."""
+"""End to end: two gthread workers share the keep-alive connections evenly (service.host.balance)."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def holders(opened: list[Connection]) -> Counter[int]:
 
 def test_a_burst_of_connections_is_split_evenly_between_the_workers() -> None:
     with gunicorn(TWO_WORKERS) as server:
-        assert "Using worker: service.worker.BalancedThreadWorker" in server.log()
+        assert "Using worker: service.host.worker.BalancedThreadWorker" in server.log()
         with connections(server, 16) as opened:
             split = holders(opened)
         assert sorted(split) == sorted(server.workers())

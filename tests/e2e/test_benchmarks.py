@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from service.offline import splits_for
+from scripts.offline import splits_for
 from tests.support.server import ROOT, Server, gunicorn
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

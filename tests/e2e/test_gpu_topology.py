@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import requests
 
-from service.inventory import Inventory, read_inventory
 from service.settings import Settings, cuda_visible_devices
-from service.topology import plan
+from service.topology.inventory import Inventory, read_inventory
+from service.topology.plan import plan
 from tests.support.server import Server, gunicorn
 
 pytestmark = [pytest.mark.e2e, pytest.mark.gpu]

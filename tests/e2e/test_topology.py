@@ -47,7 +47,7 @@ def test_both_routes_answer_correctly(mlp_server: tuple[str, Server]) -> None:
     info = server.get("/info").json()
     assert (info["slot"], info["device"], info["torch_threads"]) == (0, "cpu", len(os.sched_getaffinity(0)))
     # gthread runs as its subclass that balances connections between workers.
-    gunicorn_class = {"gthread": "service.worker.BalancedThreadWorker"}.get(worker_class, worker_class)
+    gunicorn_class = {"gthread": "service.host.worker.BalancedThreadWorker"}.get(worker_class, worker_class)
     assert f"Using worker: {gunicorn_class}" in server.log()
     assert "Worker topology: 1 " in server.log()
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from service import native
+from service.batching import native
 
 POISON = "boom"
 HOLD = "hold"

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 from flask.testing import FlaskClient
 
-from service.access import REQUEST_ID_HEADER, request_id
+from service.http.access import REQUEST_ID_HEADER, request_id
 from service.logs import ACCESS_LOGGER, JsonFormatter, logging_config
 from service.settings import Settings
 

@@ -8,7 +8,7 @@ import select
 
 import pytest
 
-from service.balance import Balance, ConnectionShares, may_accept
+from service.host.balance import Balance, ConnectionShares, may_accept
 
 
 @pytest.mark.parametrize(

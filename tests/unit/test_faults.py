@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from flask.testing import FlaskClient
 
-from service import lifecycle
+from service.host import lifecycle
 from service.runtime import EXTENSION, ModelRuntime
 from service.settings import Settings
 from tests.support.models import SECRET_PATH

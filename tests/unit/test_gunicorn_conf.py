@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from service import inventory
-from service.inventory import Gpu, Inventory
+from service.topology import inventory
+from service.topology.inventory import Gpu, Inventory
 from tests.support.server import ROOT
 
 CONF = str(ROOT / "gunicorn_conf.py")

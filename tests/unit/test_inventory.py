@@ -9,8 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from service import inventory
-from service.inventory import Gpu, Inventory, cgroup_cpu_quota, read_gpus, read_inventory, visible_gpus
+from service.topology import inventory
+from service.topology.inventory import (
+    Gpu,
+    Inventory,
+    cgroup_cpu_quota,
+    read_gpus,
+    read_inventory,
+    visible_gpus,
+)
 
 V2_MOUNT = "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
 V1_MOUNT = "32 31 0:29 {root} /sys/fs/cgroup/cpu,cpuacct rw,relatime - cgroup cgroup rw,cpu,cpuacct\n"

@@ -11,8 +11,8 @@ import torch
 from flask.testing import FlaskClient
 from prometheus_client import values
 
-from service import multiproc
 from service.errors import SettingsError
+from service.host import multiproc
 from service.metrics import EXTENSION as METRICS
 from service.metrics import Metrics
 from service.runtime import EXTENSION

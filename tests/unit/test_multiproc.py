@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from service import multiproc
+from service.host import multiproc
 from service.settings import Settings
 
 

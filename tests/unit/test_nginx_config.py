@@ -17,8 +17,8 @@ from scripts.render_nginx import (
     gunicorn_keepalive,
     render,
 )
-from service.access import request_id
 from service.errors import SettingsError
+from service.http.access import request_id
 from service.settings import Settings
 from tests.support.server import ROOT
 

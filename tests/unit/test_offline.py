@@ -1,4 +1,4 @@
-"""The offline measurement (service.offline): spawned processes report, or the parent raises promptly."""
+"""The offline measurement (scripts.offline): spawned processes report, or the parent raises promptly."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from service.offline import OfflineError, Split, measure
+from scripts.offline import OfflineError, Split, measure
 from service.settings import Settings
 
 # Each case spawns processes that import torch.

@@ -5,8 +5,8 @@ import orjson
 import pytest
 
 from service.errors import BadRequest, InvalidInput, PayloadTooLarge, UnsupportedMediaType
+from service.http.payload import parse_inputs, render_outputs
 from service.models.mlp import MLPModel
-from service.payload import parse_inputs, render_outputs
 
 MODEL = MLPModel(width=3, depth=1, seed=0, device="cpu")
 JSON = "application/json"

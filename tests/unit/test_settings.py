@@ -114,8 +114,8 @@ def test_an_unknown_variable_is_refused_even_when_empty() -> None:
 
 
 def test_every_serve_variable_the_launcher_sets_for_a_worker_is_a_setting() -> None:
-    from service.inventory import Gpu, Inventory
-    from service.topology import plan
+    from service.topology.inventory import Gpu, Inventory
+    from service.topology.plan import plan
 
     machine = Inventory(affinity_cores=4, gpus=(Gpu(0, "GPU-0000", "H100", 81_559, 80_000),))
     env = {k: v for k, v in plan(Settings(), machine).worker_env(0).items() if v is not None}

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from service.slots import SlotTable
+from service.host.slots import SlotTable
 
 
 def test_workers_take_the_lowest_free_slot_and_a_replacement_takes_its_predecessors() -> None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from service.errors import SettingsError
-from service.inventory import Gpu, Inventory
 from service.settings import Settings
-from service.topology import Plan, plan
+from service.topology.inventory import Gpu, Inventory
+from service.topology.plan import Plan, plan
+from service.topology.table import render
 
 H100_MB, RTX4090_MB = 81559, 24564  # what NVML reports as their total memory
 
@@ -85,7 +86,7 @@ def test_a_cgroup_quota_of_one_and_a_half_cpus_on_sixteen_cores_gives_one_worker
     p = env_plan(QUOTA_1_5_ON_16)
     assert devices(p) == ["cpu"]
     assert p.workers[0].torch_threads == 1
-    assert "cgroup quota 1.5 CPUs" in p.table()
+    assert "cgroup quota 1.5 CPUs" in render(p)
 
 
 @pytest.mark.parametrize(
@@ -292,10 +293,10 @@ def test_bad_topology_settings_name_the_variable(variable: str, value: str, mess
 
 
 def test_the_table_shows_every_worker_device_decision_and_warning() -> None:
-    table = env_plan(MIXED, SERVE_GPU_MEMORY_PER_WORKER_MB="10000", SERVE_TORCH_THREADS="2").table()
+    table = render(env_plan(MIXED, SERVE_GPU_MEMORY_PER_WORKER_MB="10000", SERVE_TORCH_THREADS="2"))
     assert "Worker topology: 9 gthread workers on 16 usable cores" in table
     assert "NVIDIA GeForce RTX 4090" in table
     for heading in ("slot", "device", "torch threads", "GPU memory fraction", "allocator MiB each", "why"):
         assert heading in table
     assert "warning: 9 workers run 18 torch threads on 16 usable cores" in table
-    assert env_plan(TWO_CORES).table().endswith("warnings: none")
+    assert render(env_plan(TWO_CORES)).endswith("warnings: none")

@@ -1,5 +1,5 @@
 # design:
-# - One watchdog OS thread per worker (service.native, so it stays a real thread
+# - One watchdog OS thread per worker (service.batching.native, so it stays a real thread
 #   under gevent), started right after the batch thread. It blocks on the batch
 #   thread's exit for one check interval at a time: a thread that dies is seen at
 #   once, one that stalls within an interval of the stall limit.
@@ -7,7 +7,7 @@
 #   stalled if one batch has run longer than the stall limit.
 # - On a fault it calls on_fault(reason) once and ends; the runtime then marks
 #   itself not ready, fails every request the batcher holds (Batcher.abandon)
-#   and asks its host to replace the worker (service.lifecycle). A clean exit
+#   and asks its host to replace the worker (service.host.lifecycle). A clean exit
 #   after stop() is not a fault: the watchdog just ends with the thread.
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from service import native
-from service.batching import Batcher
+from service.batching import native
+from service.batching.batcher import Batcher
 
 log = logging.getLogger(__name__)
 

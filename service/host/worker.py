@@ -1,4 +1,4 @@
-"""gunicorn's gthread worker, accepting only its share of the connections (service.balance).
+"""gunicorn's gthread worker, accepting only its share of the connections (service.host.balance).
 
 ``gunicorn_conf.py`` names this class as the worker class wherever the plan says
 gthread, and hands each worker its ``Balance`` in ``post_fork``. Without one it
@@ -12,7 +12,7 @@ from typing import Any
 
 from gunicorn.workers.gthread import ThreadWorker
 
-from service.balance import Balance
+from service.host.balance import Balance
 
 
 class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ships no type hints

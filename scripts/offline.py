@@ -154,7 +154,7 @@ def _stop(processes: list[BaseProcess]) -> None:
             process.join()
 
 
-def _run(  # noqa: PLR0917  (a process target takes positional arguments)
+def _run(
     settings: Settings,
     torch_threads: int,
     batch_sizes: list[int],
@@ -182,13 +182,13 @@ def _run(  # noqa: PLR0917  (a process target takes positional arguments)
         sender.close()
 
 
-def _measure_here(  # noqa: PLR0917
+def _measure_here(
     settings: Settings, torch_threads: int, batch_sizes: list[int], seconds: float, warmup: int, barrier: Any
 ) -> list[tuple[float, list[float]]]:
     from service.models import describe, load_model
     from service.models.base import sample_item
     from service.runtime import configure_torch, select_device
-    from service.topology import LIBRARY_ENV
+    from service.topology.plan import LIBRARY_ENV
 
     # As gunicorn_conf.py sets up a worker, so that the figures are a worker's.
     os.environ.update(LIBRARY_ENV)

@@ -10,7 +10,7 @@
 #   it holds open into memory the gunicorn master shares with its forks
 #   (ConnectionShares, one entry per worker slot), and a worker that holds more
 #   connections than the least-loaded live worker (give or take SLACK) stops
-#   accepting until the others catch up (service.worker asks may_accept() on
+#   accepting until the others catch up (service.host.worker asks may_accept() on
 #   every turn of its event loop). The kernel then gives the next connection to
 #   a worker that still accepts.
 # - Nobody is starved: the least-loaded worker always accepts. An entry
@@ -23,7 +23,7 @@
 #   kernel's backlog. So each slot has an eventfd, made by the master and
 #   inherited: a worker that stops marks itself as refusing, and a worker that
 #   accepts a connection writes to the eventfd of every refusing worker, whose
-#   loop then turns and looks again (service.worker registers the eventfd in
+#   loop then turns and looks again (service.host.worker registers the eventfd in
 #   its poller).
 # - Each worker writes only its own entry. A reader may see a count one accept
 #   old; that costs at most a connection's worth of imbalance, never a lost

@@ -7,10 +7,10 @@ import logging
 from flask import Flask, Response, g
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from service import access
 from service.errors import Overloaded, ServeError, Unauthorized
+from service.http import access
+from service.http.routes import bp, json_response
 from service.metrics import Metrics
-from service.routes import bp, json_response
 from service.runtime import ModelRuntime
 from service.settings import Settings
 

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from service.topology import Plan
+from service.topology.plan import Plan
 
 
 def render(plan: Plan) -> str:

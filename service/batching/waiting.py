@@ -1,6 +1,6 @@
 # design:
 # - A batched request waits for its Future, which the batch thread (a native OS
-#   thread, service.native) completes. Request threads (gthread, sync) block in
+#   thread, service.batching.native) completes. Request threads (gthread, sync) block in
 #   Future.result(timeout).
 # - Under gevent a request is a greenlet on the worker's one hub. Blocking in
 #   Future.result() would wait on a lock that gevent can only hand between an
@@ -20,7 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 from concurrent.futures import Future
 
-from service import native
+from service.batching import native
 from service.errors import DeadlineExceeded
 from service.models.base import Outputs
 

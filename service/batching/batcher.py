@@ -1,8 +1,8 @@
 # design:
-# - One Batcher per worker process, driven by one OS thread (service.native, so
+# - One Batcher per worker process, driven by one OS thread (service.batching.native, so
 #   it stays a real thread under gevent). Request threads or greenlets call
 #   submit(), which creates the request's Future *before* it enqueues it, and
-#   then wait on that Future (service.waiting); nothing else links a request to
+#   then wait on that Future (service.batching.waiting); nothing else links a request to
 #   its result, so a caller that gives up leaves nothing behind.
 # - The batch thread alone takes from the queue: it blocks for the first request,
 #   takes what is already queued, may wait a bounded time for more (GatherPolicy),
@@ -14,7 +14,7 @@
 # - Shutdown: stop() enqueues a sentinel behind everything already accepted, so
 #   the thread drains the queue, answers every request, then exits; submit()
 #   refuses new work from that moment.
-# - Faults: if the thread dies or stalls, the watchdog (service.watchdog) calls
+# - Faults: if the thread dies or stalls, the watchdog (service.batching.watchdog) calls
 #   abandon() from its own thread, which fails every request still held. Each
 #   future is completed once, by whichever side reaches it first (_claim,
 #   _fail, _deliver), so a stalled thread that wakes up later cannot answer twice.
@@ -32,7 +32,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
-from service import native
+from service.batching import native
 from service.errors import DeadlineExceeded, ModelError, NotReady, Overloaded, ServeError
 from service.models.base import Outputs
 from service.outputs import check_count, check_finite, client_error

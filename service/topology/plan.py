@@ -9,13 +9,11 @@ Each rule's reason is in the README ("Worker topology") and in the plan's table.
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 
 from service.errors import SettingsError
-from service.inventory import Gpu, Inventory, read_inventory
-from service.settings import Settings, cuda_visible_devices
-from service.topology_table import render
+from service.settings import Settings
+from service.topology.inventory import Gpu, Inventory
 
 # Requests a worker must still take while a full batch waits: /healthz, /readyz,
 # /metrics and /info must answer even then.
@@ -95,9 +93,6 @@ class Plan:
             "CUDA_VISIBLE_DEVICES": worker.gpu_uuid or "",
             **LIBRARY_ENV,
         }
-
-    def table(self) -> str:
-        return render(self)
 
 
 def plan(settings: Settings, inventory: Inventory) -> Plan:
@@ -366,18 +361,3 @@ def _timeouts(settings: Settings, decisions: list[Decision]) -> tuple[int, int]:
         )
     )
     return timeout, graceful
-
-
-def main() -> int:
-    """``python -m service.topology``: print the plan for this machine and settings."""
-    try:
-        topology = plan(Settings.from_env(), read_inventory(cuda_visible_devices()))
-    except SettingsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(topology.table())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""HTTP routes: JSON in, JSON out. Parsing lives in service.payload, work in service.runtime."""
+"""HTTP routes: JSON in, JSON out. Parsing lives in service.http.payload, work in service.runtime."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import orjson
 from flask import Blueprint, Response, current_app, g, request
 from werkzeug.exceptions import HTTPException
 
+from service.batching.waiting import wait_result
 from service.errors import BadRequest, PayloadTooLarge, Unauthorized
+from service.http.payload import parse_inputs, render_outputs
 from service.models import Model, describe
 from service.models.base import Outputs
-from service.payload import parse_inputs, render_outputs
 from service.runtime import EXTENSION, ModelRuntime
-from service.waiting import wait_result
 
 bp = Blueprint("serve", __name__)
 

@@ -15,7 +15,7 @@
 #   against. A request's future is touched by both sides, so its lock is a
 #   native one. It is held only for a few attribute writes, so a greenlet that
 #   waits for it stalls its hub for microseconds; nobody waits on the condition
-#   itself under gevent (service.waiting wakes greenlets through the hub).
+#   itself under gevent (service.batching.waiting wakes greenlets through the hub).
 # - Shutdown: threads started here are unknown to ``threading``, so the
 #   interpreter does not wait for them at exit. Each owner ends its own
 #   (Batcher.stop drains the batch thread; the watchdog returns once that

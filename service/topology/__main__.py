@@ -1,0 +1,25 @@
+"""``python -m service.topology``: print the plan for this machine and settings."""
+
+from __future__ import annotations
+
+import sys
+
+from service.errors import SettingsError
+from service.settings import Settings, cuda_visible_devices
+from service.topology.inventory import read_inventory
+from service.topology.plan import plan
+from service.topology.table import render
+
+
+def main() -> int:
+    try:
+        topology = plan(Settings.from_env(), read_inventory(cuda_visible_devices()))
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(render(topology))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
