@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer
 
 from service.models.base import json_type
 
@@ -44,6 +45,12 @@ class MiniLMModel:
         # The weights ship with the package: nothing here may reach for the Hub.
         self._tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self._max_length = json.loads((path / "sentence_bert_config.json").read_text())["max_seq_length"]
+        # Token counts for the embeddings API's "usage", from request threads: a
+        # copy of the tokenizer, configured once here, so that counting only ever
+        # reads it and never races the batch thread's calls on the original.
+        self._counter = Tokenizer.from_str(self._tokenizer.backend_tokenizer.to_str())
+        self._counter.enable_truncation(self._max_length)
+        self._counter.no_padding()
         embedder = _Embedder(AutoModel.from_pretrained(path, local_files_only=True)).eval().to(device)
         # Traced, the forward pass is one call that drops the GIL once. Eagerly,
         # each of its few hundred ops drops and retakes it, and while request
@@ -67,6 +74,10 @@ class MiniLMModel:
         if len(item) > MAX_CHARS:
             raise ValueError(f"text is {len(item)} characters; the limit is {MAX_CHARS}")
         return item
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        """Tokens the model reads for each text, special tokens included, after truncation."""
+        return [len(encoding.ids) for encoding in self._counter.encode_batch(texts)]
 
     def predict(self, batch: list[Any]) -> np.ndarray:
         encoded = self._encode(batch)
