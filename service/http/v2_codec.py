@@ -93,7 +93,12 @@ def parse_request(body: bytes, header_length: str | None, spec: TensorSpec) -> I
                 f"{len(body)} bytes, got {header_length[:40]!r}"
             )
         header, rest = view[: int(header_length)], view[int(header_length) :]
-    document = load_json(header, '{"inputs": [{"name", "datatype", "shape", "data"}]}')
+    try:
+        document = load_json(header, '{"inputs": [{"name", "datatype", "shape", "data"}]}')
+    except BadRequest as exc:
+        if header_length is None and body:
+            exc.message += f"; a body with binary data needs the {HEADER_LENGTH} header"
+        raise
     if not isinstance(document, dict):
         raise BadRequest(f"the inference request must be a JSON object, got {json_type(document)}")
     request_id = document.get("id")
