@@ -97,7 +97,9 @@ def parse_request(body: bytes, header_length: str | None, spec: TensorSpec) -> I
         document = load_json(header, '{"inputs": [{"name", "datatype", "shape", "data"}]}')
     except BadRequest as exc:
         if header_length is None and body:
-            exc.message += f"; a body with binary data needs the {HEADER_LENGTH} header"
+            raise BadRequest(
+                f"{exc.message}; a body with binary data needs the {HEADER_LENGTH} header"
+            ) from None
         raise
     if not isinstance(document, dict):
         raise BadRequest(f"the inference request must be a JSON object, got {json_type(document)}")

@@ -187,3 +187,27 @@ def test_v2_openai_and_predict_requests_are_batched_together(slow_echo: Server) 
     assert len(batched) == len(calls)
     sizes = [int(line.split("batch_size=")[1].split()[0]) for line in batched]
     assert any(size > 1 for size, line in zip(sizes, batched, strict=True) if "/v2/" in line)
+
+
+@pytest.fixture(scope="module")
+def gevent_vectors() -> Iterator[Server]:
+    env = {
+        "SERVE_MODEL": "tests.support.models:vectors",
+        "SERVE_WORKERS": "1",
+        "SERVE_WORKER_CLASS": "gevent",
+    }
+    with gunicorn(env) as server:
+        yield server
+
+
+def test_both_clients_under_a_gevent_worker(gevent_vectors: Server) -> None:
+    # Request greenlets wait on the native batch thread for every protocol alike.
+    client = triton.InferenceServerClient(gevent_vectors.url.removeprefix("http://"))
+    try:
+        result = client.infer("vectors", [text_input(["a b", "abc"])])
+    finally:
+        client.close()
+    np.testing.assert_array_equal(result.as_numpy("output"), [[3, 1, 1], [3, 0, 1]])
+    with openai.OpenAI(base_url=gevent_vectors.url + "/v1", api_key="unused") as sdk:
+        response = sdk.embeddings.create(model="vectors", input=["a b c"])
+    assert response.data[0].embedding == [5.0, 2.0, 1.0]
