@@ -64,8 +64,11 @@ class Strategy:
     window: int
     chunk: int | None = None  # sorted by size, then chunks of this many; None with cost=False: padded
     cost: bool = False  # sorted and cut by the batcher's cost model under SERVE_MAX_BATCH_TOKENS
+    max_tokens: int | None = None  # the cut's token budget; None: SERVE_MAX_BATCH_TOKENS
 
     def __str__(self) -> str:
+        if self.cost and self.max_tokens is not None:
+            return f"{self.window} sorted, cut by cost within {self.max_tokens} tokens"
         if self.cost:
             return f"{self.window} sorted, cut by cost"
         if self.chunk is None:
@@ -287,7 +290,7 @@ def _measure_corpus(
             ranges = cut(
                 [size(item) for item in ordered],
                 estimate,
-                max_tokens=settings.max_batch_tokens,
+                max_tokens=strategy.max_tokens or settings.max_batch_tokens,
                 max_rows=settings.max_batch_size,
             )
             return [ordered[a:b] for a, b in ranges]
