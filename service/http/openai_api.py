@@ -24,7 +24,7 @@ from service.http import v2_codec
 from service.http.inference import json_response, run_batched, runtime, with_batch_size
 from service.http.payload import load_json, prepare_items, require_json
 from service.models import Model
-from service.models.base import json_type
+from service.models.base import SizedModel, json_type
 
 bp = Blueprint("openai", __name__, url_prefix="/v1")
 
@@ -85,7 +85,10 @@ def embeddings() -> Response:
         if not isinstance(document, dict):
             raise OpenAIError(400, f"the body must be a JSON object, got {json_type(document)}")
         asked.update(_check_request(document, model))
-        return prepare_items(asked["texts"], model, runtime().settings.max_items_per_request, "input")
+        asked["items"] = prepare_items(
+            asked["texts"], model, runtime().settings.max_items_per_request, "input"
+        )
+        return asked["items"]  # type: ignore[no-any-return]
 
     done = run_batched(parse)
     vectors = _vectors(done.model, done.outputs)
@@ -93,7 +96,7 @@ def embeddings() -> Response:
         {"object": "embedding", "index": i, "embedding": _encode(vector, asked["encoding_format"])}
         for i, vector in enumerate(vectors)
     ]
-    tokens = _count_tokens(done.model, asked["texts"])
+    tokens = _count_tokens(done.model, asked["items"])
     document = {
         "object": "list",
         "data": data,
@@ -200,7 +203,9 @@ def _encode(vector: np.ndarray, encoding: str) -> Any:
     return vector
 
 
-def _count_tokens(model: Model, texts: list[str]) -> int:
-    """Tokens the model read, by its own tokenizer; 0 for a model that cannot count them."""
-    count = getattr(model, "count_tokens", None)
-    return int(sum(count(texts))) if count is not None else 0
+def _count_tokens(model: Model, items: list[Any]) -> int:
+    """Tokens the model read: a text model's item size is its token count after truncation
+    (service.models.base.SizedModel); 0 for a model that does not report sizes."""
+    if not isinstance(model, SizedModel):
+        return 0
+    return sum(model.item_size(item) for item in items)
