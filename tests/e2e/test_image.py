@@ -6,6 +6,7 @@ The first build on a machine makes the wheelhouse and, with no registry, a Debia
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import time
@@ -74,7 +75,7 @@ def container(image: str) -> Iterator[tuple[str, str]]:
         capture_output=True,
         text=True,
         timeout=120,
-        env={"IMAGE_TAG": image, "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+        env={**os.environ, "IMAGE_TAG": image},
     )
     assert run.returncode == 0, run.stderr
     try:

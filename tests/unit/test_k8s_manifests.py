@@ -173,3 +173,21 @@ def test_adapter_query_parses(tmp_path: Path) -> None:
     )
     result = promtool("check", "rules", path)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_command_line_renders_with_the_environments_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SERVE_REQUEST_TIMEOUT_MS", "8000")
+    assert render_k8s.main(["--cpus", "3", "-o", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(committed(K8S_DIR))
+    text = (tmp_path / "deployment.yaml").read_text()
+    # The header names the command that makes the same files again.
+    assert text.splitlines()[1].startswith(
+        "#   SERVE_REQUEST_TIMEOUT_MS=8000 python scripts/render_k8s.py --cpus 3 -o"
+    )
+    pod = yaml.safe_load(text)["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 10 + (8 + 5) + 5
+    monkeypatch.setenv("SERVE_MAX_BATCH_SIZE", "lots")
+    assert render_k8s.main(["-o", str(tmp_path)]) == 2
+    assert "SERVE_MAX_BATCH_SIZE must be an integer" in capsys.readouterr().err
