@@ -87,6 +87,7 @@ def _init(environment: Any, runner: Any, web_ui: Any, **_: Any) -> None:
         return  # the master reads the service's figures
     panel = Panel(environment, interval=getattr(options, "metrics_interval", DEFAULT_INTERVAL_S))
     environment.events.test_start.add_listener(panel.on_test_start)
+    environment.events.test_stopping.add_listener(panel.on_test_stopping)
     environment.events.test_stop.add_listener(panel.on_test_stop)
     environment.events.quit.add_listener(lambda **_: panel.write_files(options))
     if web_ui is not None:

@@ -3,8 +3,9 @@
 #   master; workers have none), made by locustfile.py's init listener.
 # - At test_start a greenlet of its own reads the service's /metrics (outside
 #   Locust's client, so scrapes never enter the request statistics) and then
-#   again every --metrics-interval seconds; test_stop kills it and reads once
-#   more, so the figures cover the whole run.
+#   again every --metrics-interval seconds; test_stopping, fired while the
+#   users still run, kills it and reads once more, so the figures cover the
+#   whole run and its last step.
 # - Each reading's growth over the previous one is added to the whole run and,
 #   when the users running (how many of which class) did not change in
 #   between, to that step's figures: an interval that straddles a step (or a
@@ -79,9 +80,12 @@ class Panel:
         self._reset()
         self._greenlet = gevent.spawn(self._scrape_forever)
 
-    def on_test_stop(self, **_: Any) -> None:
+    def on_test_stopping(self, **_: Any) -> None:
         self.stop_scraping()
         self.scrape()
+
+    def on_test_stop(self, **_: Any) -> None:
+        self.stop_scraping()  # a run stopped before its users started skips test_stopping
 
     def stop_scraping(self) -> None:
         if self._greenlet is not None:
