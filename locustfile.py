@@ -30,7 +30,7 @@ from typing import Any
 from locust import HttpUser, events, task
 from locust.runners import WorkerRunner
 
-from scripts.loadtest import scenarios
+from scripts.loadtest import scenarios, shapes
 from scripts.loadtest.panel import DEFAULT_INTERVAL_S, Panel
 from scripts.loadtest.workload import workload_for
 
@@ -63,7 +63,7 @@ def _options(parser: Any) -> None:
     )
     parser.add_argument(
         "--shape",
-        choices=[scenario.__name__ for scenario in scenarios.SCENARIOS],
+        choices=[shape.__name__ for shape in shapes.SHAPES],
         default=None,
         env_var="LOCUST_SHAPE",
         include_in_web_ui=False,
@@ -96,11 +96,11 @@ def _init(environment: Any, runner: Any, web_ui: Any, **_: Any) -> None:
 
 def _offer_scenarios(environment: Any, runner: Any, chosen: str | None) -> None:
     """The shapes go into the class picker, and run only when picked or named by --shape."""
-    shapes = {scenario.__name__: scenario() for scenario in scenarios.SCENARIOS}
+    offered = {shape.__name__: shape() for shape in shapes.SHAPES}
     if environment.available_shape_classes is not None:
-        environment.available_shape_classes.update(shapes)
+        environment.available_shape_classes.update(offered)
     if chosen is not None:
-        environment.shape_class = shapes[chosen]
+        environment.shape_class = offered[chosen]
         environment.shape_class.runner = runner
 
 
@@ -110,8 +110,8 @@ class ModelUser(HttpUser):
 
     def wait_time(self) -> float:
         shape = self.environment.shape_class
-        if isinstance(shape, scenarios.Scenario):
-            low, high = shape.think_time
+        if isinstance(shape, shapes.ScenarioShape):
+            low, high = shape.scenario.think_time
         else:
             options = self.environment.parsed_options
             low = options.wait_min if options else 1.0
