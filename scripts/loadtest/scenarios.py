@@ -15,6 +15,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 DEFAULT_STEP_SECONDS = 20.0
+# Locust's shape runner ticks once a second, and a turn spends its first tick stopping
+# the previous turn's users: shorter turns would skip whole turns.
+MIN_STEP_SECONDS = 3.0
 # Locust warns that faster spawning can misbehave; 100 a second still starts 128 users in ~1 s.
 MAX_SPAWN_RATE = 100.0
 
@@ -40,9 +43,10 @@ def turn(
 
     ``classes`` are the picked user classes, ``running`` how many users of each run now.
     """
-    if step_seconds <= 0:
+    if step_seconds < MIN_STEP_SECONDS:
         raise ValueError(
-            f"--step-seconds (LOCUST_STEP_SECONDS) must be a number of seconds above 0, got {step_seconds}"
+            f"--step-seconds (LOCUST_STEP_SECONDS) must be at least {MIN_STEP_SECONDS:g} seconds, "
+            f"got {step_seconds:g}"
         )
     ordered = sorted(classes)
     if not ordered:

@@ -121,19 +121,19 @@ def test_step_load_gives_each_route_a_turn_at_each_count(
 
 
 def test_with_one_class_picked_the_scenario_walks_its_counts_alone() -> None:
-    assert turn(ARTICLE_LOAD, ["BatchedUser"], {"BatchedUser": 5}, 5.0, step_seconds=2.0) == (
+    assert turn(ARTICLE_LOAD, ["BatchedUser"], {"BatchedUser": 5}, 7.0, step_seconds=3.0) == (
         20,
         20.0,
         "BatchedUser",
     )
-    assert turn(ARTICLE_LOAD, ["BatchedUser"], {"BatchedUser": 20}, 6.0, step_seconds=2.0) is None
+    assert turn(ARTICLE_LOAD, ["BatchedUser"], {"BatchedUser": 20}, 9.0, step_seconds=3.0) is None
     assert ARTICLE_LOAD.think_time == (1.0, 3.0)
     assert STEP_LOAD.think_time == (0.0, 0.0)
 
 
 def test_a_step_must_last_some_time() -> None:
     with pytest.raises(ValueError, match="LOCUST_STEP_SECONDS"):
-        turn(STEP_LOAD, ["BatchedUser"], {}, 1.0, step_seconds=0.0)
+        turn(STEP_LOAD, ["BatchedUser"], {}, 1.0, step_seconds=2.5)
 
 
 def test_text_models_get_corpus_texts_and_others_sample_items() -> None:
