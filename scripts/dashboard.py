@@ -2,11 +2,13 @@
 
 Waits until the service answers ``/readyz`` (a service started a moment ago may still be
 loading its model), prints the dashboard's URL, and then becomes Locust's web UI; Ctrl-C
-stops it. Other arguments go to Locust as they are.
+stops it. Other arguments go to Locust as they are; with ``--headless`` there is no web UI,
+and Locust runs the scenario and writes its reports.
 
     bash scripts/dashboard                                   # service on 127.0.0.1:8000, UI on :8089
     bash scripts/dashboard --host http://127.0.0.1:9000 --web-port 8090
     LOCUST_STEP_SECONDS=10 bash scripts/dashboard            # shorter steps for StepLoad and ArticleLoad
+    bash scripts/dashboard --headless --shape StepLoad --csv reports/step --html reports/step.html
 """
 
 from __future__ import annotations
@@ -56,23 +58,16 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    shown_host = "127.0.0.1" if args.web_host in ("*", "", "0.0.0.0") else args.web_host
-    print(f"Locust dashboard: http://{shown_host}:{args.web_port}  (load goes to {host}; Ctrl-C stops it)")
-    command = [
-        sys.executable,
-        "-m",
-        "locust",
-        "-f",
-        str(ROOT / "locustfile.py"),
-        "--host",
-        host,
-        "--class-picker",
-        "--web-host",
-        args.web_host,
-        "--web-port",
-        str(args.web_port),
-        *locust_args,
-    ]
+    command = [sys.executable, "-m", "locust", "-f", str(ROOT / "locustfile.py"), "--host", host]
+    if "--headless" in locust_args:
+        print(f"Locust, headless: load goes to {host}")
+    else:
+        shown_host = "127.0.0.1" if args.web_host in ("*", "", "0.0.0.0") else args.web_host
+        print(
+            f"Locust dashboard: http://{shown_host}:{args.web_port}  (load goes to {host}; Ctrl-C stops it)"
+        )
+        command += ["--class-picker", "--web-host", args.web_host, "--web-port", str(args.web_port)]
+    command += locust_args
     sys.stdout.flush()
     os.chdir(ROOT)
     os.execv(sys.executable, command)  # Locust takes over this process: Ctrl-C and signals reach it

@@ -134,6 +134,7 @@ def test_step_shape_through_the_ui_shows_both_routes_and_the_batching(
                 assert int(stats[route]["# Fails"]) == 0, stats[route]
 
             open_tab(browser, "Batching")
+            browser.set_window_size(1400, 1400)  # every step's rows in one screenshot
             batching = WebDriverWait(browser, 10).until(
                 _rows_named(("batcher (all batched routes)",), "Route")
             )
