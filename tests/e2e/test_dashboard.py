@@ -148,6 +148,11 @@ def test_step_shape_through_the_ui_shows_both_routes_and_the_batching(
             busiest = by_step[(f"{STEPS[-1]} BatchedUser", "batcher (all batched routes)")]
             assert float(busiest["Mean batch size"]) > 1, busiest
 
+            # The UI's "Download Data" links: the figures as CSV, and in Locust's report.
+            figures = requests.get(url + "/batching/csv", timeout=30).text.splitlines()
+            assert figures[0].startswith("Users,Route,Requests") and len(figures) == len(batching) + 1
+            assert 'id="service-batching"' in requests.get(url + "/stats/report", timeout=30).text
+
             open_tab(browser, "Charts")
             time.sleep(1)  # the charts animate in
             browser.save_screenshot(str(artifacts / "charts.png"))
