@@ -38,7 +38,7 @@ import gevent
 import requests
 from flask import Response, request
 
-from scripts.loadtest.service_metrics import COLUMNS, Reading, rows
+from scripts.loadtest.service_metrics import COLUMNS, NOT_APPLICABLE, Reading, rows
 
 logger = logging.getLogger(__name__)
 
@@ -130,11 +130,19 @@ class Panel:
         self._last = (now, reading, label)
 
     def rows(self) -> list[dict[str, Any]]:
-        """The whole run's rows, then each step's, fewest users first (in order of appearance)."""
+        """The whole run's rows, then each step's, fewest users first (in order of appearance).
+
+        While ``/metrics`` cannot be read, a first row says why.
+        """
+        out = (
+            [{key: NOT_APPLICABLE for key, _ in COLUMNS} | {"users": "error", "route": self.error}]
+            if self.error
+            else []
+        )
         if self._first is None or self._last is None:
-            return []
+            return out
         (start, first), (end, last, _) = self._first, self._last
-        out = rows(WHOLE_RUN, last - first, end - start)
+        out += rows(WHOLE_RUN, last - first, end - start)
         for label in sorted(self._steps, key=self._step_order.__getitem__):
             step = self._steps[label]
             out.extend(rows(label, step.growth, step.seconds))
@@ -156,12 +164,11 @@ class Panel:
             "<tr>" + "".join(f"<td>{html.escape(str(row[key]))}</td>" for key, _ in COLUMNS) + "</tr>"
             for row in self.rows()
         )
-        note = f"<p>{html.escape(self.error)}</p>" if self.error else ""
         return (
             f'{_REPORT_MARK}<section id="service-batching" style="font-family:sans-serif;margin:2em">'
             "<h2>The service's own figures (from its /metrics)</h2>"
             "<p>Per route, and for the batcher all batched routes share; "
-            f"for the whole run, and for each step's users.</p>{note}"
+            "for the whole run, and for each step's users.</p>"
             '<table border="1" cellpadding="4" style="border-collapse:collapse">'
             f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></section>"
         )

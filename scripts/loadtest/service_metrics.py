@@ -94,13 +94,14 @@ class Reading:
                 route = labels.get("route")
                 if name == "serve_http_requests_total" and route not in (None, *NOT_LOAD_ROUTES):
                     by_code = codes.setdefault(route, {})
-                    by_code[labels["code"]] = by_code.get(labels["code"], 0.0) + value
+                    code = labels.get("code", "")
+                    by_code[code] = by_code.get(code, 0.0) + value
                 elif name in _ROUTE_COUNTERS and route not in (None, *NOT_LOAD_ROUTES):
                     route_values.setdefault(route, {})[_ROUTE_COUNTERS[name]] = value
                 elif name in _SCALARS:
                     scalars[_SCALARS[name]] = value
                 elif name == "serve_rejected_requests_total":
-                    rejected[labels["reason"]] = value
+                    rejected[labels.get("reason", "")] = value
                 elif name == "serve_batch_queue_depth":
                     queue_depth = value
         routes = {

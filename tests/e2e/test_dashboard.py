@@ -13,12 +13,17 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import requests
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support.select import Select
+from selenium.webdriver.support.wait import WebDriverWait
 
+from scripts.launcher import stop
 from tests.support.browser import CHROMEDRIVER, CHROMIUM, SKIP_REASON, chromium
 from tests.support.server import ROOT, free_port, gunicorn
 
@@ -27,12 +32,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None, reason=SKIP_REASON),
 ]
-
-if CHROMIUM is not None and CHROMEDRIVER is not None:
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.remote.webdriver import WebDriver
-    from selenium.webdriver.support.select import Select
-    from selenium.webdriver.support.wait import WebDriverWait
 
 ARTIFACTS = ROOT / "test-artifacts" / "dashboard"
 # Short steps keep the test short; each still spans several readings of /metrics.
@@ -58,8 +57,6 @@ def dashboard(service_url: str, log_path: Path) -> Iterator[str]:
     try:
         yield _wait_for_dashboard(process, log_path, timeout=120)
     finally:
-        from scripts.launcher import stop
-
         stop(process, grace=20)
 
 
@@ -103,9 +100,7 @@ def artifacts() -> Path:
     return ARTIFACTS
 
 
-def test_step_shape_through_the_ui_shows_both_routes_and_the_batching(
-    artifacts: Path, tmp_path: Path
-) -> None:
+def test_step_shape_through_the_ui_shows_both_routes_and_the_batching(artifacts: Path) -> None:
     with (
         gunicorn({}) as service,  # the default model, as `bash scripts/serve` serves it
         dashboard(service.url, artifacts / "dashboard.log") as url,
@@ -166,7 +161,9 @@ def test_step_shape_through_the_ui_shows_both_routes_and_the_batching(
             raise
 
 
-def _rows_named(names: tuple[str, ...], column: str = "Name"):  # type: ignore[no-untyped-def]
+def _rows_named(
+    names: tuple[str, ...], column: str = "Name"
+) -> Callable[[WebDriver], list[dict[str, str]] | bool]:
     """A wait condition: the current tab's rows, once rows for all ``names`` show."""
 
     def condition(browser: WebDriver) -> list[dict[str, str]] | bool:

@@ -101,6 +101,14 @@ def test_the_panel_report_table_is_added_to_locust_s_report_once() -> None:
     assert panel.csv_text().splitlines()[0].startswith("Users,Route,Requests")
 
 
+def test_a_service_that_cannot_be_read_shows_why_in_the_first_row() -> None:
+    panel = Panel(SimpleNamespace(host="http://127.0.0.1:1", runner=None))
+    panel.scrape()
+    [row] = panel.rows()
+    assert row["users"] == "error"
+    assert row["route"].startswith("GET http://127.0.0.1:1/metrics failed")
+
+
 @pytest.mark.parametrize(
     ("elapsed", "running", "expected"),
     [
