@@ -275,8 +275,7 @@ def _measure_corpus(
     if size is None:
         raise ValueError(f"model {model.name} reports no item sizes; a corpus needs a model that does")
     cost = calibrate(model.predict, items[:16], size, max_rows=settings.max_batch_size)
-    estimate = cost.estimate()
-    if estimate is None:
+    if cost.estimate() is None:
         raise ValueError("the cost calibration observed no model call")
     report = []
     for strategy in strategies:
@@ -287,6 +286,9 @@ def _measure_corpus(
             ordered = sorted(window, key=size)
             if strategy.chunk:
                 return [ordered[i : i + strategy.chunk] for i in range(0, len(ordered), strategy.chunk)]
+            estimate = cost.estimate()
+            if estimate is None:  # calibrated above, so never; as the batcher, one call
+                return [ordered]
             ranges = cut(
                 [size(item) for item in ordered],
                 estimate,
@@ -309,7 +311,11 @@ def _measure_corpus(
         while (started := time.monotonic()) < end:
             window = windows[len(window_times) % len(windows)]
             for batch in calls(window):
+                call_started = time.monotonic()
                 model.predict(batch)
+                if strategy.cost:
+                    # As the batch thread does: every call it runs refines the cost model.
+                    cost.observe(len(batch) * max(map(size, batch)), time.monotonic() - call_started)
             done += len(window)
             window_times.append(time.monotonic() - started)
         report.append((done / (time.monotonic() - begin), window_times))
