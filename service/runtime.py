@@ -31,6 +31,7 @@ from typing import Any
 from flask import Flask
 
 from service.batching import native
+from service.batching.admission import AdmissionRule
 from service.batching.batcher import Batcher, BatchObserver, GatherPolicy, notify
 from service.batching.watchdog import Watchdog
 from service.errors import NotReady
@@ -50,6 +51,8 @@ class ModelRuntime:
     def __init__(self, settings: Settings, observer: BatchObserver | None = None) -> None:
         self.settings = settings
         self.observer = observer or BatchObserver()
+        # Refuses what cannot be answered within the latency budget (service.http.door, the batcher).
+        self.admission = AdmissionRule(settings.latency_budget_s)
         self.model: Model | None = None
         self.batcher: Batcher | None = None
         # Why the model could not be loaded (for the log; see LOAD_FAILED).
@@ -112,6 +115,7 @@ class ModelRuntime:
             queue_limit=self.settings.queue_limit,
             policy=policy,
             observer=self.observer,
+            admission=self.admission,
         )
         batcher.start()
         self.model, self.batcher = model, batcher

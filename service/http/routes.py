@@ -11,6 +11,7 @@ from werkzeug.exceptions import HTTPException
 
 from service.batching.waiting import wait_result
 from service.errors import BadRequest, PayloadTooLarge, Unauthorized
+from service.http.arrival import ARRIVAL_ENVIRON_KEY
 from service.http.payload import parse_inputs, render_outputs
 from service.models import Model, describe
 from service.models.base import Outputs
@@ -99,12 +100,17 @@ def predict_naive() -> Response:
 @bp.post("/predict")
 @bp.post("/predict/batched")
 def predict_batched() -> Response:
-    deadline = _deadline(time.monotonic())
+    # From the request's arrival (service.http.door), not from now: its wait for
+    # a thread counts toward its deadline and its latency budget.
+    arrived = request.environ.get(ARRIVAL_ENVIRON_KEY)
+    if not isinstance(arrived, float):
+        arrived = time.monotonic()
+    deadline = _deadline(arrived)
     rt = runtime()
     model, batcher = rt.require_ready()
     with batcher.in_flight():
         items = _parse(rt, model)
-        pending = batcher.submit(items, deadline)
+        pending = batcher.submit(items, deadline, arrived)
         outputs = wait_result(pending.future, deadline - time.monotonic())
     return _predictions(model, outputs, pending.batch_size)
 
@@ -148,6 +154,7 @@ def info() -> Response:
                 "max_items_per_request": s.max_items_per_request,
                 "max_body_bytes": s.max_body_bytes,
                 "request_timeout_ms": s.request_timeout_ms,
+                "latency_budget_ms": round(s.latency_budget_s * 1000),
             },
         }
     )

@@ -41,6 +41,20 @@ def test_the_stall_limit_follows_the_request_timeout_unless_set() -> None:
         Settings.from_env({"SERVE_STALL_TIMEOUT_MS": "50"})
 
 
+def test_the_latency_budget_follows_the_request_timeout_unless_set() -> None:
+    assert Settings().latency_budget_s == 3.0  # a tenth of the default 30 s
+    assert Settings(request_timeout_ms=5000).latency_budget_s == 1.0  # at least a second
+    assert Settings(request_timeout_ms=400).latency_budget_s == 0.4  # never past the timeout
+    assert Settings.from_env({"SERVE_LATENCY_BUDGET_MS": "1500"}).latency_budget_s == 1.5
+    with pytest.raises(SettingsError, match="SERVE_LATENCY_BUDGET_MS must be an integer from 1 to"):
+        Settings.from_env({"SERVE_LATENCY_BUDGET_MS": "2s"})
+    with pytest.raises(
+        SettingsError,
+        match=r"SERVE_LATENCY_BUDGET_MS must not exceed SERVE_REQUEST_TIMEOUT_MS \(1000\), got 2000",
+    ):
+        Settings.from_env({"SERVE_LATENCY_BUDGET_MS": "2000", "SERVE_REQUEST_TIMEOUT_MS": "1000"})
+
+
 @pytest.mark.parametrize(("value", "expected"), [("on", True), ("1", True), ("OFF", False), ("no", False)])
 def test_switches_take_on_and_off_and_their_usual_spellings(value: str, expected: bool) -> None:
     assert Settings.from_env({"SERVE_BALANCE_CONNECTIONS": value}).balance_connections is expected
