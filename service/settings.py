@@ -219,11 +219,12 @@ class Settings:
         """How long after its arrival a request may still be answered; past it, 503 at once."""
         if self.latency_budget_ms is not None:
             return self.latency_budget_ms / 1000
-        # A tenth of the request timeout (3 s of the default 30 s), at least a
-        # second and never past the timeout: long enough to ride out a burst,
-        # short enough that nobody waits half a minute for an answer.
+        # A fifteenth of the request timeout (2 s of the default 30 s), at least
+        # half a second and never past the timeout: long enough to ride out a
+        # burst, short enough that nobody waits half a minute for an answer and
+        # that a backlog is gone within seconds of an overload ending.
         timeout_s = self.request_timeout_ms / 1000
-        return min(timeout_s, max(1.0, timeout_s / 10))
+        return min(timeout_s, max(0.5, timeout_s / 15))
 
     @property
     def gpu_indices(self) -> tuple[int, ...] | None:

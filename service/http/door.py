@@ -10,9 +10,10 @@ and a short write. For the predict routes it
   counts the request's deadline from then;
 - records that wait before the handler (``serve_http_wait_before_handler_seconds``);
 - refuses it with 503, ``Retry-After`` and a JSON error, counted under
-  ``over_budget``, when it already waited past SERVE_LATENCY_BUDGET_MS or when
+  ``over_budget``, when it already waited past SERVE_LATENCY_BUDGET_MS, when
   the work queued ahead of it (the batcher's predicted wait) would take it past
-  that budget (service.batching.admission).
+  that budget, or when the wait before the handler has become a standing queue
+  and it waited past a tenth of the budget there (service.batching.admission).
 
 Other paths pass straight through. The batcher checks the budget again when
 the request is queued: many requests can pass the door together.
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from service.batching import native
 from service.errors import Overloaded
 from service.http.access import REQUEST_ID_HEADER, request_id
 from service.http.arrival import ARRIVAL_ENVIRON_KEY, proxy_wait, settle_wait
@@ -45,6 +47,8 @@ class Door:
         self._app = app
         self._runtime = runtime
         self._metrics = metrics
+        self._standing = runtime.admission.standing_queue()
+        self._lock = native.allocate_lock()  # guards _standing: every request thread updates it
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
@@ -61,7 +65,9 @@ class Door:
         self._metrics.observe_wait(waited)
         batcher = self._runtime.batcher if queued else None
         predicted = batcher.predicted_wait() if batcher is not None else 0.0
-        refusal = self._runtime.admission.decide(waited, predicted)
+        with self._lock:
+            standing = self._standing.standing(waited, now)
+        refusal = self._runtime.admission.decide(waited, predicted, standing)
         if refusal is None:
             return self._app(environ, start_response)
         self._metrics.count_error(Overloaded(refusal.message, reason="over_budget"))

@@ -42,8 +42,8 @@ def test_the_stall_limit_follows_the_request_timeout_unless_set() -> None:
 
 
 def test_the_latency_budget_follows_the_request_timeout_unless_set() -> None:
-    assert Settings().latency_budget_s == 3.0  # a tenth of the default 30 s
-    assert Settings(request_timeout_ms=5000).latency_budget_s == 1.0  # at least a second
+    assert Settings().latency_budget_s == 2.0  # a fifteenth of the default 30 s
+    assert Settings(request_timeout_ms=3000).latency_budget_s == 0.5  # at least half a second
     assert Settings(request_timeout_ms=400).latency_budget_s == 0.4  # never past the timeout
     assert Settings.from_env({"SERVE_LATENCY_BUDGET_MS": "1500"}).latency_budget_s == 1.5
     with pytest.raises(SettingsError, match="SERVE_LATENCY_BUDGET_MS must be an integer from 1 to"):
