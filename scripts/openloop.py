@@ -277,11 +277,13 @@ def run(
     seed: int = 0,
     timeout_s: float = 60.0,
     headers: Sequence[tuple[str, str]] = (),
+    times: Sequence[float] | None = None,
 ) -> Result:
     """Send ``rate`` requests a second for ``seconds``; wait for every answer (or its timeout).
 
     ``requests``: a list taken in a seeded random order, or a function of the
-    request's index (to mix kinds of requests).
+    request's index (to mix kinds of requests). ``times``: send times from the
+    start, in order, in place of a schedule at ``rate`` (a spike on top of it).
     """
     check_loopback(url)
     rng = random.Random(seed)
@@ -294,8 +296,8 @@ def run(
         def pick(index: int) -> Request:
             return pool[order[index % len(order)]]
 
-    times = schedule(rate, seconds, kind, rng)
-    return asyncio.run(_run(url, pick, times, seconds, timeout_s, headers))
+    sends = list(times) if times is not None else schedule(rate, seconds, kind, rng)
+    return asyncio.run(_run(url, pick, sends, seconds, timeout_s, headers))
 
 
 def closed_loop(url: str, requests: Sequence[Request], clients: int, seconds: float) -> float:
