@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import ipaddress
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -216,7 +217,12 @@ class Settings:
 
     @property
     def latency_budget_s(self) -> float:
-        """How long after its arrival a request may still be answered; past it, 503 at once."""
+        """How long after its arrival a request may still be answered; past it, 503 at once.
+
+        Infinite when SERVE_LATENCY_BUDGET_MS is 0: then only the queue bound sheds.
+        """
+        if self.latency_budget_ms == 0:
+            return math.inf
         if self.latency_budget_ms is not None:
             return self.latency_budget_ms / 1000
         # A fifteenth of the request timeout (2 s of the default 30 s), at least
@@ -257,7 +263,7 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "max_body_bytes": ("SERVE_MAX_BODY_BYTES", _integer(1024, 1 << 30)),
     "max_queue": ("SERVE_MAX_QUEUE", _integer(1, 1_000_000)),
     "request_timeout_ms": ("SERVE_REQUEST_TIMEOUT_MS", _integer(1, 3_600_000)),
-    "latency_budget_ms": ("SERVE_LATENCY_BUDGET_MS", _integer(1, 3_600_000)),
+    "latency_budget_ms": ("SERVE_LATENCY_BUDGET_MS", _integer(0, 3_600_000)),
     "stall_timeout_ms": ("SERVE_STALL_TIMEOUT_MS", _integer(100, 86_400_000)),
     "mlp_width": ("SERVE_MLP_WIDTH", _integer(1, 65_536)),
     "mlp_depth": ("SERVE_MLP_DEPTH", _integer(1, 1024)),

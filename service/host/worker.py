@@ -38,7 +38,7 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
     nr_conns: int  # gthread's count of the connections it holds open
     poller: selectors.BaseSelector
     _configured_connections: int
-    wsgi: WsgiApp
+    wsgi: Any
     _arrivals: threading.local
 
     # gthread's event loop accepts while ``nr_conns < worker_connections`` and
@@ -58,15 +58,7 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
     def load_wsgi(self) -> None:
         super().load_wsgi()
         self._arrivals = threading.local()
-        app, arrivals = self.wsgi, self._arrivals
-
-        def stamped(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-            arrived = getattr(arrivals, "at", None)
-            if arrived is not None:
-                environ[ARRIVAL_ENVIRON_KEY] = arrived
-            return app(environ, start_response)
-
-        self.wsgi = stamped
+        self.wsgi = _Stamped(self.wsgi, self._arrivals)
 
     def enqueue_req(self, conn: Any) -> None:
         conn.serve_arrived = time.monotonic()
@@ -93,3 +85,24 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
     def _woken(self, _fd: Any) -> None:
         if self.balance is not None:  # registered only with one
             self.balance.woken()
+
+
+class _Stamped:
+    """The app, with each request's arrival put into its environ.
+
+    Every other attribute is the app's: the lifecycle hooks find the service's
+    runtime through ``worker.wsgi.extensions`` (service.host.lifecycle).
+    """
+
+    def __init__(self, app: WsgiApp, arrivals: threading.local) -> None:
+        self._app = app
+        self._arrivals = arrivals
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        arrived = getattr(self._arrivals, "at", None)
+        if arrived is not None:
+            environ[ARRIVAL_ENVIRON_KEY] = arrived
+        return self._app(environ, start_response)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._app, name)

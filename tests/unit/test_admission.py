@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from service.batching.admission import AdmissionRule, ServiceMeter, StandingQueue, predict_wait
@@ -33,6 +35,13 @@ def test_the_predicted_wait_counts_the_work_ahead_and_the_newcomer_itself() -> N
     assert predict_wait(0, 0.01) == pytest.approx(0.01)
     assert predict_wait(99, 0.01) == pytest.approx(1.0)
     assert predict_wait(-3, 0.01) == pytest.approx(0.01)
+
+
+def test_an_infinite_budget_refuses_nothing() -> None:
+    rule = AdmissionRule(budget_s=math.inf)
+    assert rule.decide(waited_s=1e6, predicted_s=1e6, standing=True) is None
+    assert not rule.standing_queue().standing(1e6, now=0.0)
+    assert not rule.standing_queue().standing(1e6, now=1e9)
 
 
 def test_an_unmeasured_service_predicts_no_wait() -> None:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from service.errors import SettingsError
@@ -46,7 +48,8 @@ def test_the_latency_budget_follows_the_request_timeout_unless_set() -> None:
     assert Settings(request_timeout_ms=3000).latency_budget_s == 0.5  # at least half a second
     assert Settings(request_timeout_ms=400).latency_budget_s == 0.4  # never past the timeout
     assert Settings.from_env({"SERVE_LATENCY_BUDGET_MS": "1500"}).latency_budget_s == 1.5
-    with pytest.raises(SettingsError, match="SERVE_LATENCY_BUDGET_MS must be an integer from 1 to"):
+    assert Settings.from_env({"SERVE_LATENCY_BUDGET_MS": "0"}).latency_budget_s == math.inf  # off
+    with pytest.raises(SettingsError, match="SERVE_LATENCY_BUDGET_MS must be an integer from 0 to"):
         Settings.from_env({"SERVE_LATENCY_BUDGET_MS": "2s"})
     with pytest.raises(
         SettingsError,
