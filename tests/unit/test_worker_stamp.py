@@ -1,4 +1,4 @@
-"""The gthread worker's stamp: each request's arrival reaches the app's environ, and the app stays reachable."""
+"""The gthread worker's stamp: each request's arrival reaches the environ; the app stays reachable."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ from service.http.arrival import ARRIVAL_ENVIRON_KEY
 
 
 class _App:
-    extensions = {"serve": "the runtime"}
-
     def __init__(self) -> None:
+        self.extensions = {"serve": "the runtime"}
         self.environ: dict[str, Any] = {}
 
     def __call__(self, environ: dict[str, Any], start_response: Any) -> list[bytes]:
