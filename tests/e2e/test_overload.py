@@ -2,14 +2,17 @@
 
 Requests arrive on a Poisson schedule at several times the measured capacity,
 whatever the service does (scripts/openloop.py), and each latency is timed from
-the request's scheduled send. An MLP wide enough that the model, not HTTP,
-limits capacity; one worker, to leave the other core to the generator.
+the request's scheduled send. The model is tests.support.models:sleepy: each
+batch of up to 8 items takes 0.1 s and leaves the CPU free, as a model on a GPU
+does, so capacity is about 80 requests a second whatever else the shared
+machine runs, and what is measured is the shedding. (The soak test,
+tests/e2e/test_soak.py, overloads a CPU-bound MLP.) One worker, to leave the
+other core to the generator.
 """
 
 from __future__ import annotations
 
 import json
-import random
 import re
 
 import pytest
@@ -21,23 +24,17 @@ from tests.support.server import Server, gunicorn
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(120)]
 
 BUDGET_MS = 1000
-WIDTH = 2048
 OVERLOAD = {
-    "SERVE_MODEL": "mlp",
-    "SERVE_MLP_WIDTH": str(WIDTH),
-    "SERVE_MLP_DEPTH": "8",
+    "SERVE_MODEL": "tests.support.models:sleepy",
+    "SERVE_MAX_BATCH_SIZE": "8",
     "SERVE_WORKERS": "1",
     "SERVE_LATENCY_BUDGET_MS": str(BUDGET_MS),
 }
+BODY = json.dumps({"inputs": [0.1]}).encode()
 
 
-def bodies(count: int = 32) -> list[openloop.Request]:
-    rng = random.Random(0)
-    return [
-        openloop.Request(json.dumps({"inputs": [[rng.uniform(-1, 1) for _ in range(WIDTH)]]}).encode(), path)
-        for path in ("/predict/batched", "/predict")
-        for _ in range(count // 2)
-    ]
+def bodies() -> list[openloop.Request]:
+    return [openloop.Request(BODY, "/predict/batched"), openloop.Request(BODY, "/predict")]
 
 
 def rejected_over_budget(server: Server) -> float:
@@ -64,10 +61,8 @@ def test_open_loop_overload_is_shed_with_503s_and_accepted_requests_keep_the_bud
         assert set(statuses) == {"200", "503"}, summary
         assert summary["refused_with_retry_after"] == statuses["503"], "a 503 without Retry-After"
         assert rejected_over_budget(server) > 0
-        # Not a collapse: a good share of what the service can do still gets
-        # done. (Loose: the refusals, the generator and, on a shared machine,
-        # other work take CPU from the model; docs/reliability.md measures it.)
-        assert summary["goodput_rps"] >= 0.3 * capacity, summary
+        # Not a collapse: most of what the service can do still gets done.
+        assert summary["goodput_rps"] >= 0.6 * capacity, summary
         # Bounded by the budget, not by the offered load (unshed, the backlog
         # would grow for the whole run: 8 s x 3 capacities of excess). The
         # budget counts from arrival at the worker, the client's clock from the
