@@ -6,7 +6,7 @@
 
 For each worker class it starts the service (its own gunicorn on 127.0.0.1, the
 ``SERVE_*`` settings in the environment, default model: all-MiniLM-L6-v2),
-measures capacity with 64 closed-loop clients sending lines of
+measures capacity with 32 closed-loop clients sending lines of
 scripts/corpus/mixed.txt, and a lone request's latency; then, for each multiple,
 offers that many times the capacity on a Poisson schedule (scripts/openloop.py)
 and reports goodput, answers by status, accepted latency from the scheduled
@@ -37,6 +37,10 @@ from scripts import openloop  # noqa: E402
 from scripts.launcher import Service, serve  # noqa: E402
 from scripts.procs import children  # noqa: E402
 
+# Closed-loop clients for capacity: enough to fill batches, few enough that the
+# queue they keep stays within the latency budget (more are refused, and a
+# refused closed-loop client asks again at once).
+CLIENTS = 32
 LONE_TEXT = "A man is eating food while the children play outside in the garden."
 
 
@@ -76,7 +80,7 @@ def table(worker_class: str, multiples: list[float], seconds: float) -> list[dic
     with serve(env, ready_timeout=300, all_workers=True) as server:
         url = server.url + "/predict/batched"
         before = lone_latency_ms(server)
-        capacity = openloop.closed_loop(url, requests, clients=64, seconds=min(20.0, seconds))
+        capacity = openloop.closed_loop(url, requests, clients=CLIENTS, seconds=min(20.0, seconds))
         print(f"overload: {worker_class}: capacity {capacity:.0f} req/s", file=sys.stderr)
         for multiple in multiples:
             time.sleep(2)  # let the previous run's connections close
@@ -137,7 +141,7 @@ def refusal_cost(rate: float, seconds: float) -> dict[str, Any]:
         n_refused = refused.by_status().get("503", 0)
         cpu = _cpu_s(worker)
         started = time.monotonic()
-        capacity = openloop.closed_loop(url, requests, clients=64, seconds=seconds)
+        capacity = openloop.closed_loop(url, requests, clients=CLIENTS, seconds=seconds)
         served_cpu = _cpu_s(worker) - cpu
         n_served = capacity * (time.monotonic() - started)
     return {

@@ -5,7 +5,7 @@
 
 It starts its own gunicorn on 127.0.0.1 (it must own the master to signal it) and
 sends traffic to that loopback address only. First it measures capacity with
-64 closed-loop clients sending valid requests; then, for the rest of the time,
+32 closed-loop clients sending valid requests; then, for the rest of the time,
 requests arrive on a Poisson schedule at twice that rate, whatever the service
 does (open loop, scripts/openloop.py), with a spike to five times it for
 ``--spike-seconds`` in the middle, a share of them malformed, while it SIGKILLs
@@ -286,7 +286,7 @@ def print_report(result: dict[str, Any]) -> None:
     def latency(ms: dict[str, float]) -> str:
         return f"p50 {ms['p50']:.0f} ms, p99 {ms['p99']:.0f} ms, max {ms['max']:.0f} ms"
 
-    print(f"capacity (64 closed-loop clients)  {result['capacity_rps']} req/s")
+    print(f"capacity (32 closed-loop clients)  {result['capacity_rps']} req/s")
     print(
         f"offered (open loop, Poisson)       {result['target_rps']} req/s, {result['spike_rps']} req/s "
         f"in the spike; sent {result['achieved_rps']} req/s on average for {result['seconds']} s"
@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
             f"soak: {info['model']['name']} on {server.url}, calibrating for {calibrate:.0f} s",
             file=sys.stderr,
         )
-        capacity = openloop.closed_loop(url, valid_requests(info, random.Random(0)), 64, calibrate)
+        capacity = openloop.closed_loop(url, valid_requests(info, random.Random(0)), 32, calibrate)
         rate = max(1.0, 2 * capacity)
         seconds = args.duration - calibrate
         spike_seconds = min(args.spike_seconds, seconds / 2)
