@@ -21,6 +21,11 @@
 # - Metrics hooks (BatchObserver) run inside submit() and the batch loop; each
 #   call goes through notify(), which logs an exception and carries on, so a
 #   broken hook can neither leave the depth miscounted nor lose a request.
+# - Latency budget: submit() also refuses (503, over_budget) a request that the
+#   work held would take past its budget (service.batching.admission). The
+#   service meter changes under _lock: in submit(), and in each future's done
+#   callback, run by whichever thread completes it (batch thread, watchdog, or
+#   a caller cancelling), none of which holds _lock then.
 
 from __future__ import annotations
 

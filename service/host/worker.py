@@ -1,9 +1,3 @@
-"""gunicorn's gthread worker: it stamps each request's arrival, and accepts only its share of the connections.
-
-``gunicorn_conf.py`` names this class as the worker class wherever the plan says
-gthread, and hands each worker its ``Balance`` in ``post_fork`` when
-SERVE_BALANCE_CONNECTIONS is on. Without one it accepts as gthread does.
-
 # design:
 # - The event loop (gthread's main thread) hands a connection to the thread
 #   pool when it is accepted or, kept alive, becomes readable again: that is
@@ -15,6 +9,13 @@ SERVE_BALANCE_CONNECTIONS is on. Without one it accepts as gthread does.
 #   the wait toward the request's latency budget.
 # - A stamp is written before the connection is submitted to the pool and read
 #   by the one thread that runs it: the pool's queue orders the two.
+# - Balance: see service.host.balance; the event loop alone reads and updates it.
+
+"""gunicorn's gthread worker: it stamps each request's arrival, and accepts only its share of connections.
+
+``gunicorn_conf.py`` names this class as the worker class wherever the plan says
+gthread, and hands each worker its ``Balance`` in ``post_fork`` when
+SERVE_BALANCE_CONNECTIONS is on. Without one it accepts as gthread does.
 """
 
 from __future__ import annotations

@@ -1,3 +1,12 @@
+# design:
+# - Door runs in every request thread (gthread) or greenlet (gevent) before
+#   Flask does. It reads the batcher's predicted wait (under the batcher's own
+#   lock) and updates one StandingQueue under a native lock held for a few
+#   operations, never across I/O, so greenlets and threads can share it.
+# - A refused request is answered here and never reaches Flask: no request
+#   context, no access line (at thousands a second the line would cost more than
+#   the refusal); the metrics count it as any other answer.
+
 """Admission at the door: refuse, before any parsing, a request that cannot be answered in time.
 
 It wraps the Flask app (``app.wsgi_app``) and runs first, in the request's own
