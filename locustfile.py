@@ -1,40 +1,107 @@
 """Load test both routes with Locust: naive vs batched, side by side.
 
-    .venv/bin/locust -f locustfile.py --host http://127.0.0.1:8000 --class-picker
-    # then open http://127.0.0.1:8089, pick NaiveUser or BatchedUser (or both), start
+The dashboard, against a service already running (``bash scripts/serve``):
 
-Headless, closed loop (no think time), 32 users for a minute:
+    bash scripts/dashboard          # installs Locust into .venv, prints the URL to open
+
+then pick NaiveUser and/or BatchedUser and a shape: StepLoad (1, 8, 32, 64 users per
+route, no think time), ArticleLoad (1, 5, 20 users per route, 1-3 s think time), or
+Default (the user count you type, --wait-min/--wait-max think time). The "Batching" tab
+shows the service's own figures from its /metrics: requests, latency, 503s and 504s per
+route, and the batcher's mean batch size, queue wait and model time, by user count.
+
+Headless, with Locust's CSV and HTML report (plus PREFIX_batching.csv, and the batching
+table in the report):
 
     .venv/bin/locust -f locustfile.py --host http://127.0.0.1:8000 --headless \
-        -u 32 -r 32 -t 60s --wait-min 0 --wait-max 0 BatchedUser
+        --shape StepLoad --csv reports/step --html reports/step.html NaiveUser BatchedUser
 
-Each user reads GET /info once and sends items that fit the served model, varied at random
-(service.models.base.sample_item, as the benchmark and soak scripts use): sentences for text
-models, numbers of the right shape for vector and tensor models. Between requests a user waits a
-random 1-3 s by default, like shoppers at a self-checkout; --wait-min/--wait-max change that
-(0 and 0 saturate the service).
+Users send texts drawn from scripts/corpus/mixed.txt (real prose of mixed length) when the
+model takes text, else items that fit it (service.models.base.sample_item); they learn the
+served model from GET /info once, outside the request statistics.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
 from locust import HttpUser, events, task
+from locust.runners import WorkerRunner
 
-from service.models.base import sample_item
+from scripts.loadtest import scenarios, shapes
+from scripts.loadtest.panel import DEFAULT_INTERVAL_S, Panel
+from scripts.loadtest.workload import workload_for
+
+logger = logging.getLogger(__name__)
 
 
 @events.init_command_line_parser.add_listener
 def _options(parser: Any) -> None:
-    parser.add_argument("--wait-min", type=float, default=1.0, help="least seconds between a user's requests")
-    parser.add_argument("--wait-max", type=float, default=3.0, help="most seconds between a user's requests")
+    parser.add_argument(
+        "--wait-min",
+        type=float,
+        default=1.0,
+        env_var="LOCUST_WAIT_MIN",
+        help="least seconds between a user's requests, without a shape (shapes set their own)",
+    )
+    parser.add_argument(
+        "--wait-max",
+        type=float,
+        default=3.0,
+        env_var="LOCUST_WAIT_MAX",
+        help="most seconds between a user's requests, without a shape; 0 and 0 saturate the service",
+    )
     parser.add_argument("--items-per-request", type=int, default=1, help="items in each request")
+    parser.add_argument(
+        "--step-seconds",
+        type=float,
+        default=scenarios.DEFAULT_STEP_SECONDS,
+        env_var="LOCUST_STEP_SECONDS",
+        help="how long StepLoad and ArticleLoad hold each user count",
+    )
+    parser.add_argument(
+        "--shape",
+        choices=[shape.__name__ for shape in shapes.SHAPES],
+        default=None,
+        env_var="LOCUST_SHAPE",
+        include_in_web_ui=False,
+        help="run this load shape (headless; in the web UI, pick it in the class picker)",
+    )
+    parser.add_argument(
+        "--metrics-interval",
+        type=float,
+        default=DEFAULT_INTERVAL_S,
+        env_var="LOCUST_METRICS_INTERVAL",
+        include_in_web_ui=False,
+        help="seconds between readings of the service's /metrics for the batching figures",
+    )
 
 
-def sample_items(info: dict[str, Any], count: int) -> list[Any]:
-    rng = random.Random()
-    return [sample_item(info["model"], rng) for _ in range(count)]
+@events.init.add_listener
+def _init(environment: Any, runner: Any, web_ui: Any, **_: Any) -> None:
+    options = environment.parsed_options
+    _offer_scenarios(environment, runner, getattr(options, "shape", None))
+    if isinstance(runner, WorkerRunner):
+        return  # the master reads the service's figures
+    panel = Panel(environment, interval=getattr(options, "metrics_interval", DEFAULT_INTERVAL_S))
+    environment.events.test_start.add_listener(panel.on_test_start)
+    environment.events.test_stopping.add_listener(panel.on_test_stopping)
+    environment.events.test_stop.add_listener(panel.on_test_stop)
+    environment.events.quit.add_listener(lambda **_: panel.write_files(options))
+    if web_ui is not None:
+        panel.attach(web_ui)
+
+
+def _offer_scenarios(environment: Any, runner: Any, chosen: str | None) -> None:
+    """The shapes go into the class picker, and run only when picked or named by --shape."""
+    offered = {shape.__name__: shape() for shape in shapes.SHAPES}
+    if environment.available_shape_classes is not None:
+        environment.available_shape_classes.update(offered)
+    if chosen is not None:
+        environment.shape_class = offered[chosen]
+        environment.shape_class.runner = runner
 
 
 class ModelUser(HttpUser):
@@ -42,22 +109,27 @@ class ModelUser(HttpUser):
     route = "/predict"
 
     def wait_time(self) -> float:
-        options = self.environment.parsed_options
-        low = options.wait_min if options else 1.0
-        high = options.wait_max if options else 3.0
+        shape = self.environment.shape_class
+        if isinstance(shape, shapes.ScenarioShape):
+            low, high = shape.scenario.think_time
+        else:
+            options = self.environment.parsed_options
+            low = options.wait_min if options else 1.0
+            high = options.wait_max if options else 3.0
         return random.uniform(low, max(low, high))
 
     def on_start(self) -> None:
         options = self.environment.parsed_options
-        count = options.items_per_request if options else 1
-        info = self.client.get("/info", name="/info").json()
-        self.body = {"inputs": sample_items(info, count)}
+        self.items = options.items_per_request if options else 1
+        self.workload = workload_for(self.host)
+        self.rng = random.Random()
 
     @task
     def predict(self) -> None:
-        with self.client.post(self.route, json=self.body, name=self.route, catch_response=True) as response:
-            if response.status_code == 200 and len(response.json()["outputs"]) != len(self.body["inputs"]):
-                response.failure("wrong number of outputs")
+        body = self.workload.body(self.items, self.rng)
+        with self.client.post(self.route, json=body, name=self.route, catch_response=True) as response:
+            if response.status_code == 200 and len(response.json()["outputs"]) != self.items:
+                response.failure(f"{len(response.json()['outputs'])} outputs for {self.items} inputs")
 
 
 class NaiveUser(ModelUser):

@@ -10,6 +10,7 @@ the time is up, so a failure never lowers the concurrency. Loopback targets only
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import shutil
 import statistics
@@ -21,13 +22,18 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 WRK_SCRIPT = r"""
+-- One request body per line of the file; the requests take them in turn.
 init = function(args)
-  local f = assert(io.open(args[1], "rb"))
-  local body = f:read("*a")
-  f:close()
-  req = wrk.format("POST", nil, {["Content-Type"] = "application/json"}, body)
+  reqs = {}
+  for body in io.lines(args[1]) do
+    reqs[#reqs + 1] = wrk.format("POST", nil, {["Content-Type"] = "application/json"}, body)
+  end
+  n = 0
 end
-request = function() return req end
+request = function()
+  n = n % #reqs + 1
+  return reqs[n]
+end
 done = function(summary, latency, requests)
   local e = summary.errors
   io.write(string.format(
@@ -67,18 +73,24 @@ def check_loopback(url: str) -> None:
         raise SystemExit(f"refusing to send load to {host!r}: only loopback targets are allowed")
 
 
-def run_load(url: str, body: bytes, clients: int, seconds: float, prefer_wrk: bool = True) -> LoadResult:
+def run_load(
+    url: str, body: bytes | list[bytes], clients: int, seconds: float, prefer_wrk: bool = True
+) -> LoadResult:
+    """Closed-loop load; a list of bodies (JSON, one line each) is sent in turn, cycling."""
     check_loopback(url)
+    bodies = [body] if isinstance(body, bytes) else body
+    if not bodies or any(b"\n" in b for b in bodies):
+        raise ValueError("request bodies must be non-empty and hold no newline")
     if prefer_wrk and shutil.which("wrk"):
-        return _wrk(url, body, clients, seconds)
-    return asyncio.run(_asyncio_load(url, body, clients, seconds))
+        return _wrk(url, bodies, clients, seconds)
+    return asyncio.run(_asyncio_load(url, bodies, clients, seconds))
 
 
-def _wrk(url: str, body: bytes, clients: int, seconds: float) -> LoadResult:
+def _wrk(url: str, bodies: list[bytes], clients: int, seconds: float) -> LoadResult:
     with tempfile.TemporaryDirectory() as tmp:
         script, body_file = Path(tmp, "post.lua"), Path(tmp, "body.json")
         script.write_text(WRK_SCRIPT)
-        body_file.write_bytes(body)
+        body_file.write_bytes(b"\n".join(bodies) + b"\n")
         # One wrk thread drives every connection: enough for loopback, and it
         # leaves the cores to the service being measured.
         out = subprocess.run(
@@ -114,13 +126,18 @@ def _wrk(url: str, body: bytes, clients: int, seconds: float) -> LoadResult:
     )
 
 
-async def _asyncio_load(url: str, body: bytes, clients: int, seconds: float) -> LoadResult:
+async def _asyncio_load(url: str, bodies: list[bytes], clients: int, seconds: float) -> LoadResult:
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
-    request = (
-        f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode() + body
+    requests = [
+        (
+            f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        + body
+        for body in bodies
+    ]
+    turn = itertools.count()
     latencies: list[float] = []
     errors = 0
     end = time.monotonic() + seconds
@@ -143,7 +160,7 @@ async def _asyncio_load(url: str, body: bytes, clients: int, seconds: float) -> 
             try:
                 while time.monotonic() < end:
                     started = time.monotonic()
-                    writer.write(request)
+                    writer.write(requests[next(turn) % len(requests)])
                     status, keep_alive = await asyncio.wait_for(_read_response(reader), REQUEST_TIMEOUT_S)
                     if 200 <= status < 300:
                         latencies.append(time.monotonic() - started)

@@ -13,6 +13,12 @@
 #   waiting for it, and sends its traceback; every barrier wait also has a
 #   timeout, for a peer that hangs. The parent raises OfflineError on the first
 #   failure and, whatever happens, terminates every process it started.
+# - With a corpus (one text per line), each process instead runs the corpus in
+#   windows of `window` consecutive texts, as a server gathers them, under one
+#   Strategy each: padded as they come, sorted by size and run in chunks of a
+#   fixed size, or sorted and cut by the batcher's own cost model
+#   (service.batching.subbatch), so the offline limit on real text is measured
+#   the ways a batcher could run it.
 # - Used by scripts/bench.py (the offline limit) and scripts/tune.py (the
 #   batch-latency curve behind the recommended settings).
 
@@ -52,11 +58,31 @@ class Split:
 
 
 @dataclass(frozen=True)
+class Strategy:
+    """How a window of corpus texts runs: padded as gathered, sorted in chunks, or cut by cost."""
+
+    window: int
+    chunk: int | None = None  # sorted by size, then chunks of this many; None with cost=False: padded
+    cost: bool = False  # sorted and cut by the batcher's cost model under SERVE_MAX_BATCH_TOKENS
+    max_tokens: int | None = None  # the cut's token budget; None: SERVE_MAX_BATCH_TOKENS
+
+    def __str__(self) -> str:
+        if self.cost and self.max_tokens is not None:
+            return f"{self.window} sorted, cut by cost within {self.max_tokens} tokens"
+        if self.cost:
+            return f"{self.window} sorted, cut by cost"
+        if self.chunk is None:
+            return f"{self.window} padded"
+        return f"{self.window} sorted, chunks of {self.chunk}"
+
+
+@dataclass(frozen=True)
 class Measurement:
     split: Split
     batch_size: int
     items_per_s: float
     batch_ms_median: float
+    strategy: str = ""
 
 
 def splits_for(cores: int) -> list[Split]:
@@ -65,13 +91,22 @@ def splits_for(cores: int) -> list[Split]:
 
 
 def measure(
-    settings: Settings, split: Split, batch_sizes: list[int], *, seconds: float, warmup: int = 3
+    settings: Settings,
+    split: Split,
+    batch_sizes: list[int],
+    *,
+    seconds: float,
+    warmup: int = 3,
+    corpus: list[str] | None = None,
+    strategies: list[Strategy] | None = None,
 ) -> list[Measurement]:
     """Items/s of ``split.workers`` processes running full batches of the model's sample item at once.
 
-    One measurement per batch size. Raises OfflineError, promptly, if any
+    One measurement per batch size; with ``corpus``, one per strategy instead
+    (``batch_sizes`` is then ignored). Raises OfflineError, promptly, if any
     process fails to load the model, has no sample item, or fails to predict.
     """
+    runs: list[Any] = list(strategies or []) if corpus is not None else list(batch_sizes)
     context = mp.get_context("spawn")
     barrier = context.Barrier(split.workers)
     pipes: dict[Connection, BaseProcess] = {}
@@ -80,29 +115,30 @@ def measure(
             receiver, sender = context.Pipe(duplex=False)
             process = context.Process(
                 target=_run,
-                args=(settings, split.torch_threads, batch_sizes, seconds, warmup, barrier, sender),
+                args=(settings, split.torch_threads, runs, corpus, seconds, warmup, barrier, sender),
                 daemon=True,  # never outlives the parent, even one killed before its finally
             )
             process.start()
             # Only the child may hold the sending end, so that its death reads as end-of-file here.
             sender.close()
             pipes[receiver] = process
-        budget = BARRIER_TIMEOUT_S + len(batch_sizes) * (seconds + BARRIER_TIMEOUT_S)
+        budget = BARRIER_TIMEOUT_S + len(runs) * (seconds + BARRIER_TIMEOUT_S)
         reports = _collect(pipes, settings.model, budget)
     finally:
         _stop(list(pipes.values()))
         for receiver in pipes:
             receiver.close()
     measurements = []
-    for index, batch_size in enumerate(batch_sizes):
+    for index, run in enumerate(runs):
         per_process = [report[index] for report in reports]
         durations = [d for _, batch_times in per_process for d in batch_times]
         measurements.append(
             Measurement(
                 split=split,
-                batch_size=batch_size,
+                batch_size=run.window if isinstance(run, Strategy) else run,
                 items_per_s=sum(rate for rate, _ in per_process),
                 batch_ms_median=statistics.median(durations) * 1000 if durations else float("nan"),
+                strategy=str(run) if isinstance(run, Strategy) else "",
             )
         )
     return measurements
@@ -157,14 +193,18 @@ def _stop(processes: list[BaseProcess]) -> None:
 def _run(
     settings: Settings,
     torch_threads: int,
-    batch_sizes: list[int],
+    runs: list[Any],
+    corpus: list[str] | None,
     seconds: float,
     warmup: int,
     barrier: Any,
     sender: Connection,
 ) -> None:
     try:
-        report = _measure_here(settings, torch_threads, batch_sizes, seconds, warmup, barrier)
+        if corpus is None:
+            report = _measure_here(settings, torch_threads, runs, seconds, warmup, barrier)
+        else:
+            report = _measure_corpus(settings, torch_threads, corpus, runs, seconds, barrier)
     except threading.BrokenBarrierError:
         sender.send(
             (
@@ -210,4 +250,67 @@ def _measure_here(
             batch_times.append(time.monotonic() - started)
         # Whole batches over the time they took: a batch that overran the window counts in full.
         report.append((batch_size * len(batch_times) / (time.monotonic() - begin), batch_times))
+    return report
+
+
+def _measure_corpus(
+    settings: Settings,
+    torch_threads: int,
+    corpus: list[str],
+    strategies: list[Strategy],
+    seconds: float,
+    barrier: Any,
+) -> list[tuple[float, list[float]]]:
+    from service.batching.calibration import calibrate
+    from service.batching.subbatch import cut
+    from service.models import load_model
+    from service.runtime import configure_torch, select_device
+    from service.topology.plan import LIBRARY_ENV
+
+    os.environ.update(LIBRARY_ENV)
+    configure_torch(torch_threads)
+    model = load_model(settings, select_device())
+    items = [model.prepare(text) for text in corpus]
+    size = getattr(model, "item_size", None)
+    if size is None:
+        raise ValueError(f"model {model.name} reports no item sizes; a corpus needs a model that does")
+    cost = calibrate(model.predict, items[:16], size, max_rows=settings.max_batch_size)
+    estimate = cost.estimate()
+    if estimate is None:
+        raise ValueError("the cost calibration observed no model call")
+    report = []
+    for strategy in strategies:
+
+        def calls(window: list[Any], strategy: Strategy = strategy) -> list[list[Any]]:
+            if not (strategy.cost or strategy.chunk):
+                return [window]
+            ordered = sorted(window, key=size)
+            if strategy.chunk:
+                return [ordered[i : i + strategy.chunk] for i in range(0, len(ordered), strategy.chunk)]
+            ranges = cut(
+                [size(item) for item in ordered],
+                estimate,
+                max_tokens=strategy.max_tokens or settings.max_batch_tokens,
+                max_rows=settings.max_batch_size,
+            )
+            return [ordered[a:b] for a, b in ranges]
+
+        windows = [
+            [items[(start + k) % len(items)] for k in range(strategy.window)]
+            for start in range(0, len(items), strategy.window)
+        ]
+        for batch in calls(windows[0]):
+            model.predict(batch)  # warm-up
+        barrier.wait(BARRIER_TIMEOUT_S)
+        window_times: list[float] = []
+        done = 0
+        begin = time.monotonic()
+        end = begin + seconds
+        while (started := time.monotonic()) < end:
+            window = windows[len(window_times) % len(windows)]
+            for batch in calls(window):
+                model.predict(batch)
+            done += len(window)
+            window_times.append(time.monotonic() - started)
+        report.append((done / (time.monotonic() - begin), window_times))
     return report

@@ -9,7 +9,10 @@ if TYPE_CHECKING:
 
     from service.settings import Settings
 
-__all__ = ["create_app"]
+__all__ = ["__version__", "create_app"]
+
+# The one place the version lives at run time; a test keeps it equal to pyproject.toml's.
+__version__ = "0.1.0"
 
 
 def create_app(settings: Settings | None = None) -> Flask:

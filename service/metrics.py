@@ -118,6 +118,20 @@ class Metrics(BatchObserver):
         )
         self.items = _counter(r, "serve_inferred_items_total", "Items the batcher ran through the model.")
         self.batches = _counter(r, "serve_batches_total", "Batches the batcher ran through the model.")
+        # Length-aware batches (models that report item sizes): real against padded
+        # tokens shows what padding wastes; sub-batches how the batches were cut.
+        self.tokens = _counter(
+            r,
+            "serve_batch_tokens_total",
+            "Token positions run: real (the items' own), padded (rows x longest, real included).",
+            "kind",
+        )
+        self.sub_batches = _histogram(
+            r,
+            "serve_batch_sub_batches",
+            "Model calls each length-aware batch was cut into.",
+            buckets=BATCH_SIZE_BUCKETS,
+        )
         self.queue_depth = _gauge(
             r, "serve_batch_queue_depth", "Batched requests queued, not yet in a batch."
         )
@@ -154,6 +168,8 @@ class Metrics(BatchObserver):
             self.rejected.labels(reason)
         for reason in TIMEOUT_REASONS:
             self.timed_out.labels(reason)
+        for kind in ("real", "padded"):
+            self.tokens.labels(kind)
 
     def init_app(self, app: Flask) -> None:
         app.extensions[EXTENSION] = self
@@ -194,6 +210,11 @@ class Metrics(BatchObserver):
 
     def on_queue_depth(self, depth: int) -> None:
         self.queue_depth.set(depth)
+
+    def on_sub_batches(self, real_tokens: int, padded_tokens: int, sub_batches: int) -> None:
+        self.tokens.labels("real").inc(real_tokens)
+        self.tokens.labels("padded").inc(padded_tokens)
+        self.sub_batches.observe(sub_batches)
 
     def on_model_loaded(self, device: str, seconds: float) -> None:
         label = self._planned_device or device

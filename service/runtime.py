@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,10 +34,12 @@ from flask import Flask
 from service.batching import native
 from service.batching.admission import AdmissionRule
 from service.batching.batcher import Batcher, BatchObserver, GatherPolicy, notify
+from service.batching.calibration import calibrate
+from service.batching.subbatch import CostModel
 from service.batching.watchdog import Watchdog
 from service.errors import NotReady
-from service.models import Model, load_model
-from service.models.base import Outputs
+from service.models import Model, describe, load_model
+from service.models.base import Outputs, SizedModel, sample_item
 from service.outputs import check_outputs, client_error
 from service.settings import Settings
 
@@ -109,12 +112,16 @@ class ModelRuntime:
             delay_s=self.settings.max_batch_delay_ms / 1000,
             adaptive=self.settings.batch_gather == "adaptive",
         )
+        sizer = model.item_size if isinstance(model, SizedModel) else None
         batcher = Batcher(
             model.predict,
             max_batch_size=self.settings.max_batch_size,
             queue_limit=self.settings.queue_limit,
             policy=policy,
             observer=self.observer,
+            sizer=sizer,
+            max_tokens=self.settings.max_batch_tokens,
+            cost=None if sizer is None else _calibrated(model, sizer, self.settings.max_batch_size),
             admission=self.admission,
         )
         batcher.start()
@@ -170,6 +177,16 @@ class ModelRuntime:
             return True
         # After a fault the thread may never end; its requests have had their 503.
         return self.batcher.stop(0 if self.failure is not None else timeout)
+
+
+def _calibrated(model: Model, size: Callable[[Any], int], max_rows: int) -> CostModel:
+    """The batch cost measured on sample items, before the batch thread starts."""
+    rng = random.Random(0)  # noqa: S311 - sample texts, not secrets
+    try:
+        items = [model.prepare(sample_item(describe(model), rng)) for _ in range(16)]
+    except ValueError:
+        items = []  # no sample items for this kind: the cost is learnt from live batches
+    return calibrate(model.predict, items, size, max_rows=max_rows)
 
 
 def configure_torch(threads: int | None) -> None:

@@ -157,6 +157,12 @@ class Settings:
     max_batch_size: int = 64
     max_batch_delay_ms: float = 0.0
     batch_gather: str = "adaptive"
+    # Padded tokens one model call may hold (rows x its longest item), for
+    # models that report item sizes: what bounds a call's activation memory.
+    max_batch_tokens: int = 8192
+    # Activation memory one padded token needs in one model call, in KiB, as
+    # scripts/tune.py measures it on a GPU; None: unknown, not checked.
+    token_memory_kb: float | None = None
     max_items_per_request: int = 64
     max_body_bytes: int = 1 << 20
     max_queue: int | None = None
@@ -259,6 +265,8 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "max_batch_size": ("SERVE_MAX_BATCH_SIZE", _integer(1, 4096)),
     "max_batch_delay_ms": ("SERVE_MAX_BATCH_DELAY_MS", _number(0, 10_000)),
     "batch_gather": ("SERVE_BATCH_GATHER", _choice(*BATCH_GATHER_POLICIES)),
+    "max_batch_tokens": ("SERVE_MAX_BATCH_TOKENS", _integer(1, 1 << 24)),
+    "token_memory_kb": ("SERVE_TOKEN_MEMORY_KB", _number(0.001, 1 << 20)),
     "max_items_per_request": ("SERVE_MAX_ITEMS_PER_REQUEST", _integer(1, 4096)),
     "max_body_bytes": ("SERVE_MAX_BODY_BYTES", _integer(1024, 1 << 30)),
     "max_queue": ("SERVE_MAX_QUEUE", _integer(1, 1_000_000)),

@@ -11,6 +11,15 @@
 # - Every future it takes gets a result or an exception, whatever the model does;
 #   cancelled futures are skipped, expired ones fail before inference. If a batch
 #   fails, its requests are re-run one by one so only the culprit fails.
+# - Length-aware batches: when the model reports item sizes (``sizer``, called in
+#   the request thread by submit()), the batch thread sorts the gathered items by
+#   size and runs them as consecutive sub-batches cut by service.batching.subbatch,
+#   each within the padded-token budget. A request is answered as soon as its
+#   last item is done, so short requests leave before the long ones run; one
+#   whose items span several sub-batches waits for all of them. A failed
+#   sub-batch is re-run item by item, and a bad item fails only its own request.
+#   Gathering is unchanged, so batches stay FIFO: a long item waits at most for
+#   the batch it was gathered into.
 # - Shutdown: stop() enqueues a sentinel behind everything already accepted, so
 #   the thread drains the queue, answers every request, then exits; submit()
 #   refuses new work from that moment.
@@ -37,8 +46,11 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from service.batching import native
 from service.batching.admission import AdmissionRule, ServiceMeter, predict_wait
+from service.batching.subbatch import CostModel, cut
 from service.errors import DeadlineExceeded, ModelError, NotReady, Overloaded, ServeError
 from service.models.base import Outputs
 from service.outputs import check_count, check_finite, client_error
@@ -54,6 +66,8 @@ class Pending:
 
     items: list[Any]
     deadline: float
+    # Each item's size (the model's units, e.g. tokens), or None when the model reports none.
+    sizes: list[int] | None = None
     enqueued_at: float = field(default_factory=time.monotonic)
     # Created before it is queued; native so the batch thread may complete it under gevent.
     future: Future[Outputs] = field(default_factory=native.new_future)
@@ -128,6 +142,9 @@ class BatchObserver:
     def on_queue_depth(self, depth: int) -> None:
         pass
 
+    def on_sub_batches(self, real_tokens: int, padded_tokens: int, sub_batches: int) -> None:
+        """One length-aware batch ran as ``sub_batches`` model calls (models that report sizes)."""
+
     def on_model_loaded(self, device: str, seconds: float) -> None:
         pass
 
@@ -141,9 +158,16 @@ class Batcher:
         queue_limit: int,
         policy: GatherPolicy | None = None,
         observer: BatchObserver | None = None,
+        sizer: Callable[[Any], int] | None = None,
+        max_tokens: int | None = None,
+        cost: CostModel | None = None,
         admission: AdmissionRule | None = None,
     ) -> None:
         self._predict = predict
+        self._sizer = sizer
+        # No budget: a sub-batch is bounded by max_batch_size alone.
+        self._max_tokens = max_tokens if max_tokens is not None else 1 << 62
+        self.cost = cost or CostModel()
         self._max_batch_size = max_batch_size
         self._queue_limit = queue_limit
         self._policy = policy or GatherPolicy()
@@ -205,7 +229,9 @@ class Batcher:
         ``arrived``: when the request reached the service (monotonic), for the
         latency budget; None counts from now.
         """
-        pending = Pending(items, deadline)
+        # Sized here, in the request thread, so the batch thread only sorts.
+        sizes = None if self._sizer is None else [self._sizer(item) for item in items]
+        pending = Pending(items, deadline, sizes)
         with self._lock:
             if not self._accepting:
                 raise NotReady("the worker is shutting down; retry on another worker", reason="shutting_down")
@@ -382,7 +408,10 @@ class Batcher:
             # behind it and those still arriving.
             self._cycle_peak = max(len(live), self._in_flight)
         try:
-            self._predict_and_deliver(live)
+            if self._sizer is None:
+                self._predict_and_deliver(live)
+            else:
+                self._run_sorted(live)
         finally:
             for pending in live:
                 # A no-op unless delivery itself broke; no caller may hang on it.
@@ -429,6 +458,97 @@ class Batcher:
             else:
                 _deliver(pending.future, result)
             start = end
+
+    def _run_sorted(self, live: list[Pending]) -> None:
+        """Run a batch of sized items as length-sorted sub-batches (see the design notes)."""
+        batch = _Assembly(live)
+        sizes = [size for size, _, _ in batch.order]
+        estimate = self.cost.estimate()
+        if estimate is None:
+            ranges = [(0, len(sizes))]  # nothing measured yet: one call, as without sizes
+        else:
+            ranges = cut(sizes, estimate, max_tokens=self._max_tokens, max_rows=self._max_batch_size)
+        started = time.monotonic()
+        padded = 0
+        for start, end in ranges:
+            entries = [e for e in batch.order[start:end] if e[1] not in batch.failed]
+            if entries:
+                padded += self._run_entries(batch, entries)
+        elapsed = time.monotonic() - started
+        self._model_time_s = elapsed if self._model_time_s == 0 else 0.8 * self._model_time_s + 0.2 * elapsed
+        total = len(batch.order)
+        for pending in live:
+            pending.batch_size = total
+        notify(self._observer.on_batch, total, len(live), [started - p.enqueued_at for p in live], elapsed)
+        notify(self._observer.on_sub_batches, sum(sizes), padded, len(ranges))
+
+    def _run_entries(self, batch: _Assembly, entries: list[tuple[int, int, int]]) -> int:
+        """One model call on ``entries``; answers the requests it completes. Returns its padded tokens."""
+        items = batch.items(entries)
+        padded = len(entries) * max(size for size, _, _ in entries)
+        started = time.monotonic()
+        try:
+            outputs = self._predict(items)
+            check_count(outputs, len(items))
+        except BaseException as exc:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            error = client_error(exc, len(items))
+            if len(entries) == 1 or isinstance(error, Overloaded):
+                for r in {r for _, r, _ in entries}:
+                    batch.failed.add(r)
+                    _fail(batch.live[r].future, error)
+                return padded
+            log.warning("sub-batch of %d items failed (%s); re-running them one by one", len(entries), exc)
+            return sum(self._run_entries(batch, [e]) for e in entries if e[1] not in batch.failed)
+        self.cost.observe(padded, time.monotonic() - started)
+        for r in batch.store(entries, outputs):
+            result = batch.result(r)
+            try:
+                check_finite(result)
+            except ModelError as refused:
+                _fail(batch.live[r].future, refused)
+            else:
+                _deliver(batch.live[r].future, result)
+        return padded
+
+
+class _Assembly:
+    """The items of one length-aware batch, in size order, and each request's rows as they come back."""
+
+    def __init__(self, live: list[Pending]) -> None:
+        self.live = live
+        # (size, request index, item index), sorted by size; sort() is stable, so
+        # equal sizes keep arrival order.
+        self.order = sorted(
+            ((size, r, i) for r, pending in enumerate(live) for i, size in enumerate(pending.sizes or ())),
+            key=lambda entry: entry[0],
+        )
+        self.rows: list[list[Any]] = [[None] * len(pending.items) for pending in live]
+        self.left = [len(pending.items) for pending in live]
+        self.array = [True] * len(live)  # every row came from an array: answer with one
+        self.failed: set[int] = set()
+
+    def items(self, entries: list[tuple[int, int, int]]) -> list[Any]:
+        return [self.live[r].items[i] for _, r, i in entries]
+
+    def store(self, entries: list[tuple[int, int, int]], outputs: Outputs) -> list[int]:
+        """Keep each entry's output row; the requests this completed, by index."""
+        done = []
+        is_array = isinstance(outputs, np.ndarray)
+        for (_, r, i), row in zip(entries, outputs, strict=True):
+            if r in self.failed:
+                continue
+            self.rows[r][i] = row
+            self.array[r] = self.array[r] and is_array
+            self.left[r] -= 1
+            if self.left[r] == 0:
+                done.append(r)
+        return done
+
+    def result(self, r: int) -> Outputs:
+        rows = self.rows[r]
+        return np.stack(rows) if self.array[r] else rows
 
 
 def _claim(future: Future[Outputs]) -> bool:

@@ -1,5 +1,8 @@
-"""The HTTP tier: the app factory, routes, request parsing and the access log.
+"""The HTTP tier: the app factory, the protocols side by side, request parsing and the access log.
 
-Runs in each gunicorn worker, in its request threads (gthread) or greenlets
-(gevent); the model's work is handed to the runtime and its batch thread.
+``routes`` serves the service's own JSON contract (/predict), ``v2`` the Open
+Inference Protocol, ``openai_api`` OpenAI's embeddings API; each only
+translates to and from ``inference``, the one path they share. Runs in each
+gunicorn worker, in its request threads (gthread) or greenlets (gevent); the
+model's work is handed to the runtime and its batch thread.
 """

@@ -8,9 +8,10 @@ from flask import Flask, Response, g
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from service.errors import Overloaded, ServeError, Unauthorized
-from service.http import access
+from service.http import access, openai_api, v2
 from service.http.door import Door
-from service.http.routes import bp, json_response
+from service.http.routes import bp
+from service.http.shapes import error_response
 from service.metrics import Metrics
 from service.runtime import ModelRuntime
 from service.settings import Settings
@@ -34,6 +35,9 @@ def create_app(settings: Settings | None = None) -> Flask:
     # Before the blueprint, whose token check may refuse a request: see access.init_app.
     access.init_app(app, metrics)
     app.register_blueprint(bp)
+    # The standard protocols, each a thin translation to the same batched path.
+    app.register_blueprint(v2.bp)
+    openai_api.init_app(app)
     _register_error_handlers(app, settings, metrics)
     runtime = ModelRuntime(settings, observer=metrics)
     runtime.init_app(app)
@@ -47,7 +51,7 @@ def _register_error_handlers(app: Flask, settings: Settings, metrics: Metrics) -
     @app.errorhandler(ServeError)
     def serve_error(exc: ServeError) -> Response:
         metrics.count_error(exc)
-        response = json_response({"error": exc.message}, exc.status)
+        response = error_response(exc.status, exc.message, exc)
         if isinstance(exc, Overloaded):
             response.headers["Retry-After"] = str(exc.retry_after_s)
         if isinstance(exc, Unauthorized):
@@ -57,13 +61,13 @@ def _register_error_handlers(app: Flask, settings: Settings, metrics: Metrics) -
     @app.errorhandler(RequestEntityTooLarge)
     def too_large(exc: RequestEntityTooLarge) -> Response:
         # Content-Length over MAX_CONTENT_LENGTH: refused before the body is read.
-        return json_response(
-            {"error": f"the request body is over {settings.max_body_bytes} bytes (SERVE_MAX_BODY_BYTES)"}, 413
+        return error_response(
+            413, f"the request body is over {settings.max_body_bytes} bytes (SERVE_MAX_BODY_BYTES)"
         )
 
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException) -> Response:
-        response = json_response({"error": exc.description or exc.name}, exc.code or 500)
+        response = error_response(exc.code or 500, exc.description or exc.name, exc)
         for name, value in exc.get_headers():
             if name.lower() != "content-type":
                 response.headers[name] = value  # e.g. Allow on a 405
@@ -72,4 +76,4 @@ def _register_error_handlers(app: Flask, settings: Settings, metrics: Metrics) -
     @app.errorhandler(Exception)
     def unexpected(exc: Exception) -> Response:
         log.exception("unhandled error in request %s", g.get("request_id"))
-        return json_response({"error": "internal server error; see the service log"}, 500)
+        return error_response(500, "internal server error; see the service log")

@@ -19,15 +19,8 @@ JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 
 def parse_inputs(body: bytes, content_type: str | None, model: Model, max_items: int) -> list[Any]:
     """The prepared items of a ``{"inputs": [...]}`` body; raises a ServeError naming the problem."""
-    mimetype = (content_type or "").split(";", 1)[0].strip().lower()
-    if mimetype != "application/json":
-        raise UnsupportedMediaType(f"Content-Type must be application/json, got {mimetype or 'none'}")
-    if not body:
-        raise BadRequest('the request body is empty; send {"inputs": [item, ...]}')
-    try:
-        document = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    require_json(content_type)
+    document = load_json(body, '{"inputs": [item, ...]}')
     if not isinstance(document, dict):
         raise InvalidInput(f'the body must be a JSON object with an "inputs" list, got {json_type(document)}')
     if "inputs" not in document:
@@ -35,18 +28,44 @@ def parse_inputs(body: bytes, content_type: str | None, model: Model, max_items:
     inputs = document["inputs"]
     if not isinstance(inputs, list):
         raise InvalidInput(f'"inputs" must be a list, got {json_type(inputs)}')
-    if not inputs:
-        raise InvalidInput('"inputs" is empty; send at least one item')
-    if len(inputs) > max_items:
+    return prepare_items(inputs, model, max_items)
+
+
+def require_json(content_type: str | None) -> None:
+    mimetype = (content_type or "").split(";", 1)[0].strip().lower()
+    if mimetype != "application/json":
+        raise UnsupportedMediaType(f"Content-Type must be application/json, got {mimetype or 'none'}")
+
+
+def load_json(body: bytes | memoryview, example: str) -> Any:
+    """The parsed JSON ``body``; ``example`` shows the client what to send instead of nothing."""
+    if not body:
+        raise BadRequest(f"the request body is empty; send {example}")
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+
+
+def check_count(count: int, max_items: int, field: str = "inputs") -> None:
+    """Refuse a request of no items, or of more than SERVE_MAX_ITEMS_PER_REQUEST, before any is read."""
+    if count == 0:
+        raise InvalidInput(f'"{field}" is empty; send at least one item')
+    if count > max_items:
         raise PayloadTooLarge(
-            f'"inputs" holds {len(inputs)} items; the limit is {max_items} (SERVE_MAX_ITEMS_PER_REQUEST)'
+            f'"{field}" holds {count} items; the limit is {max_items} (SERVE_MAX_ITEMS_PER_REQUEST)'
         )
+
+
+def prepare_items(values: list[Any], model: Model, max_items: int, field: str = "inputs") -> list[Any]:
+    """Every protocol's items, checked and converted by ``model.prepare``; errors name the index."""
+    check_count(len(values), max_items, field)
     prepared = []
-    for index, item in enumerate(inputs):
+    for index, item in enumerate(values):
         try:
             prepared.append(model.prepare(item))
         except ValueError as exc:
-            raise InvalidInput(f"inputs[{index}]: {exc}") from None
+            raise InvalidInput(f"{field}[{index}]: {exc}") from None
     return prepared
 
 

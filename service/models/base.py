@@ -30,6 +30,19 @@ class Model(Protocol):
     def predict(self, batch: list[Any]) -> Outputs: ...
 
 
+@runtime_checkable
+class SizedModel(Model, Protocol):
+    """A model whose prepared items report their size, in the units its cost grows with.
+
+    A text model's size is the item's token count after truncation: a padded
+    batch costs rows times its longest item, in time and in activation memory.
+    The batcher then sorts each batch by size and runs it as sub-batches
+    (service.batching.subbatch). A model without ``item_size`` batches as is.
+    """
+
+    def item_size(self, item: Any) -> int: ...
+
+
 def describe(model: Model) -> dict[str, Any]:
     """What ``GET /info`` says about the model."""
     return {

@@ -105,7 +105,7 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
     cores = inventory.usable_cores
     gpus = _chosen_gpus(settings, inventory, decisions)
     if gpus:
-        workers, devices = _gpu_workers(settings, gpus, cores, decisions)
+        workers, devices = _gpu_workers(settings, gpus, cores, decisions, warnings)
     else:
         _warn_unused_gpu_settings(settings, warnings)
         workers, devices = _cpu_workers(settings, cores, decisions), ()
@@ -194,7 +194,7 @@ def _cpu_workers(settings: Settings, cores: int, decisions: list[Decision]) -> t
 
 
 def _gpu_workers(
-    settings: Settings, gpus: tuple[Gpu, ...], cores: int, decisions: list[Decision]
+    settings: Settings, gpus: tuple[Gpu, ...], cores: int, decisions: list[Decision], warnings: list[str]
 ) -> tuple[tuple[WorkerPlan, ...], tuple[DevicePlan, ...]]:
     counts, source = _gpu_counts(settings, gpus)
     devices = tuple(
@@ -211,6 +211,7 @@ def _gpu_workers(
             f"(free MiB / workers on it - SERVE_GPU_CONTEXT_MB={settings.gpu_context_mb}) / total MiB"
         )
     decisions.append(Decision("GPU memory fraction", "per device, above", why_fraction))
+    _check_token_budget(settings, devices, decisions, warnings)
     threads = settings.torch_threads or max(1, cores // total)
     if settings.torch_threads:
         why_threads = f"SERVE_TORCH_THREADS={threads}"
@@ -223,6 +224,48 @@ def _gpu_workers(
         device = devices[position]
         workers.append(WorkerPlan(slot, device.device, device.gpu.uuid, threads, device.memory_fraction))
     return tuple(workers), devices
+
+
+def _check_token_budget(
+    settings: Settings, devices: tuple[DevicePlan, ...], decisions: list[Decision], warnings: list[str]
+) -> None:
+    """Does each worker's memory share hold one full call's activations?
+
+    A length-aware batch runs as calls of at most SERVE_MAX_BATCH_TOKENS padded
+    tokens, so one call's activations are at most that many tokens times the
+    model's memory per token; the worker's allocator share must hold them on
+    top of the weights, or the largest calls fail with out-of-memory (503).
+    """
+    tokens = settings.max_batch_tokens
+    per_token = settings.token_memory_kb
+    if per_token is None:
+        decisions.append(
+            Decision(
+                "batch token budget",
+                f"{tokens} tokens",
+                "SERVE_MAX_BATCH_TOKENS; activation memory per token unknown (set SERVE_TOKEN_MEMORY_KB, "
+                "measured by scripts/tune.py on the GPU, to check it against each worker's share)",
+            )
+        )
+        return
+    activations_mb = tokens * per_token / 1024
+    decisions.append(
+        Decision(
+            "batch token budget",
+            f"{tokens} tokens, {activations_mb:.0f} MiB",
+            f"SERVE_MAX_BATCH_TOKENS x SERVE_TOKEN_MEMORY_KB={per_token:g}: one call's activations, "
+            "which each worker's allocator share must hold beside the weights",
+        )
+    )
+    for device in devices:
+        if activations_mb > device.allocator_mb:
+            fits = int(device.allocator_mb * 1024 / per_token)
+            warnings.append(
+                f"a call of SERVE_MAX_BATCH_TOKENS={tokens} needs about {activations_mb:.0f} MiB of "
+                f"activations, more than each worker's {device.allocator_mb} MiB share on {device.device}; "
+                f"the largest batches will run out of memory (lower SERVE_MAX_BATCH_TOKENS below {fits}, "
+                "or run fewer workers on it)"
+            )
 
 
 def _gpu_counts(settings: Settings, gpus: tuple[Gpu, ...]) -> tuple[list[int], str]:

@@ -309,3 +309,56 @@ def test_a_backend_killed_under_load_costs_no_request() -> None:
         assert gone.status_code == 502
         assert gone.headers["Content-Type"] == "application/json"
         assert "backend" in gone.json()["error"]
+
+
+def test_the_standard_protocols_pass_through_nginx(proxy: Proxy) -> None:
+    # Open Inference Protocol v2, with binary tensor data in and out.
+    header = json.dumps(
+        {
+            "id": "through-nginx",
+            "inputs": [
+                {
+                    "name": "input",
+                    "datatype": "FP32",
+                    "shape": [1, WIDTH],
+                    "parameters": {"binary_data_size": WIDTH * 4},
+                }
+            ],
+            "parameters": {"binary_data_output": True},
+        }
+    ).encode()
+    raw = np.array([item()], dtype="<f4").tobytes()
+    response = requests.post(
+        proxy.url + "/v2/models/mlp/infer",
+        data=header + raw,
+        headers={"Inference-Header-Content-Length": str(len(header))},
+        timeout=30,
+    )
+    assert response.status_code == 200, response.content
+    length = int(response.headers["Inference-Header-Content-Length"])
+    document = json.loads(response.content[:length])
+    assert document["id"] == "through-nginx"
+    outputs = np.frombuffer(response.content[length:], "<f4")
+    expected = requests.post(proxy.url + "/predict", json={"inputs": [item()]}, timeout=30).json()["outputs"]
+    np.testing.assert_allclose(outputs, expected[0], atol=1e-5)
+    assert requests.get(proxy.url + "/v2/health/ready", timeout=10).json() == {"ready": True}
+    # The embeddings API: the mlp takes no text, and the service says so in OpenAI's shape.
+    refused = requests.get(proxy.url + "/v1/models", timeout=10)
+    assert refused.status_code == 404
+    assert refused.json()["error"]["code"] == "model_not_found"
+
+
+def test_nginx_words_its_own_errors_on_v1_as_openai_does(proxy: Proxy) -> None:
+    body = json.dumps({"model": "mlp", "input": "x" * MAX_BODY}).encode()
+    response = requests.post(
+        proxy.url + "/v1/embeddings", data=body, headers={"Content-Type": "application/json"}, timeout=30
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert "SERVE_MAX_BODY_BYTES" in error["message"]
+    assert error["type"] == "invalid_request_error"
+    assert request_ids(response)
+    # The same limit on /v2 gets the service's plain shape.
+    v2 = requests.post(proxy.url + "/v2/models/mlp/infer", data=body, timeout=30)
+    assert v2.status_code == 413
+    assert "SERVE_MAX_BODY_BYTES" in v2.json()["error"]

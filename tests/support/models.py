@@ -297,3 +297,43 @@ def fails_in_one_process() -> EchoModel:
     except FileExistsError:
         return EchoModel()
     raise RuntimeError("injected load failure in one process")
+
+
+class VectorsModel(EchoModel):
+    """A text model that declares its outputs, as minilm does: 3 numbers per text."""
+
+    name = "vectors"
+    item_shape = (3,)
+
+    def predict(self, batch: list[str]) -> list[list[float]]:
+        return [[float(len(text)), float(text.count(" ")), 1.0] for text in batch]
+
+
+def vectors() -> VectorsModel:
+    return VectorsModel()
+
+
+class LabelsModel(EchoModel):
+    """A text model that answers a string per text: its length, written out."""
+
+    name = "labels"
+
+    def predict(self, batch: list[str]) -> list[str]:  # type: ignore[override]
+        return [str(len(text)) for text in batch]
+
+
+def labels() -> LabelsModel:
+    return LabelsModel()
+
+
+class RecordsModel(EchoModel):
+    """A text model that answers a JSON object per text, which no tensor can hold."""
+
+    name = "records"
+
+    def predict(self, batch: list[str]) -> list[dict[str, int]]:  # type: ignore[override]
+        return [{"length": len(text)} for text in batch]
+
+
+def records() -> RecordsModel:
+    return RecordsModel()

@@ -43,6 +43,20 @@ def test_an_item_embeds_the_same_alone_and_in_a_padded_batch(model: MiniLMModel)
     np.testing.assert_allclose(alone[0], batched[0], atol=1e-5)
 
 
+def test_prepared_items_report_their_token_count_after_truncation(model: MiniLMModel) -> None:
+    sizes = [model.item_size(model.prepare(s)) for s in SENTENCES]
+    assert sizes[0] == 8  # [CLS] a man is eating food . [SEP]
+    assert sizes[3] == 2  # the empty text is [CLS] [SEP]
+    assert sizes[4] == 256  # truncated to the model's window
+    assert sizes[1] > sizes[0]
+
+
+def test_prepared_and_plain_texts_embed_alike(model: MiniLMModel) -> None:
+    prepared = model.predict([model.prepare(s) for s in SENTENCES[:3]])
+    plain = model.predict(SENTENCES[:3])
+    np.testing.assert_allclose(prepared, plain, atol=1e-6)
+
+
 def test_prepare_refuses_non_strings(model: MiniLMModel) -> None:
     with pytest.raises(ValueError, match="expected a string, got number"):
         model.prepare(3)

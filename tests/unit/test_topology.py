@@ -300,3 +300,44 @@ def test_the_table_shows_every_worker_device_decision_and_warning() -> None:
         assert heading in table
     assert "warning: 9 workers run 18 torch threads on 16 usable cores" in table
     assert render(env_plan(TWO_CORES)).endswith("warnings: none")
+
+
+# -- the batch token budget against each worker's memory share ---------------------
+
+
+def test_a_gpu_plan_shows_the_token_budget_and_what_it_needs_of_the_share() -> None:
+    p = env_plan(FOUR_H100, SERVE_MAX_BATCH_TOKENS="8192", SERVE_TOKEN_MEMORY_KB="24")
+    (row,) = [d for d in p.decisions if d.what == "batch token budget"]
+    assert row.value == "8192 tokens, 192 MiB"  # 8192 x 24 KiB
+    assert p.warnings == ()
+
+
+def test_a_budget_larger_than_a_workers_share_is_warned_with_a_budget_that_fits() -> None:
+    # Eight workers on a 24 GiB card leave each about 2 GiB; 16 Ki tokens at 256 KiB need 4 GiB.
+    p = env_plan(
+        MIXED,
+        SERVE_DEVICES="cuda:0",
+        SERVE_WORKERS_PER_DEVICE="8",
+        SERVE_MAX_BATCH_TOKENS="16384",
+        SERVE_TOKEN_MEMORY_KB="256",
+    )
+    (device,) = p.devices
+    (warning,) = p.warnings
+    assert "4096 MiB of activations" in warning
+    assert f"{device.allocator_mb} MiB share on cuda:0" in warning
+    fits = int(device.allocator_mb * 1024 / 256)
+    assert f"below {fits}" in warning
+    assert fits * 256 / 1024 <= device.allocator_mb
+
+
+def test_without_a_memory_per_token_the_budget_is_shown_unchecked() -> None:
+    p = env_plan(FOUR_H100)
+    (row,) = [d for d in p.decisions if d.what == "batch token budget"]
+    assert row.value == "8192 tokens" and "SERVE_TOKEN_MEMORY_KB" in row.why
+    assert p.warnings == ()
+
+
+def test_a_cpu_plan_has_no_gpu_share_to_check() -> None:
+    p = env_plan(TWO_CORES, SERVE_TOKEN_MEMORY_KB="1000000", SERVE_MAX_BATCH_TOKENS="16777216")
+    assert not [d for d in p.decisions if d.what == "batch token budget"]
+    assert p.warnings == ()

@@ -1,0 +1,77 @@
+"""What the load-test users send: texts from the mixed-length corpus, or sample items.
+
+The served model is learnt once per host from ``GET /info``, outside Locust's client,
+so that the probe never shows in the request statistics.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from service.models.base import sample_item
+
+# Real prose, one sentence per line, from a few words to a long paragraph: the
+# benchmarks' corpus, so that the dashboard sees the lengths a service sees.
+CORPUS = Path(__file__).resolve().parents[1] / "corpus" / "mixed.txt"
+
+_INFO_TIMEOUT_S = 10
+
+
+class WorkloadError(RuntimeError):
+    """The service could not be asked what it serves, or serves items we cannot make up."""
+
+
+def read_corpus(path: Path = CORPUS) -> list[str]:
+    texts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not texts:
+        raise WorkloadError(f"the corpus {path} holds no text; rebuild it with scripts/make_corpus.py")
+    return texts
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Request bodies for the model described by ``/info``'s ``model`` object."""
+
+    model: dict[str, Any]
+    texts: tuple[str, ...]
+
+    def body(self, items: int, rng: random.Random) -> dict[str, Any]:
+        if self.model.get("item_kind") == "text":
+            return {"inputs": [rng.choice(self.texts) for _ in range(items)]}
+        return {"inputs": [sample_item(self.model, rng) for _ in range(items)]}
+
+
+_cache: dict[str, Workload] = {}
+_lock = threading.Lock()
+
+
+def workload_for(host: str) -> Workload:
+    """The workload for the service at ``host``, asking its ``/info`` on first use."""
+    with _lock:  # the first users start together; one of them asks
+        if host not in _cache:
+            _cache[host] = Workload(model=_served_model(host), texts=tuple(read_corpus()))
+        return _cache[host]
+
+
+def _served_model(host: str) -> dict[str, Any]:
+    url = host.rstrip("/") + "/info"
+    try:
+        response = requests.get(url, timeout=_INFO_TIMEOUT_S)
+        response.raise_for_status()
+        model: dict[str, Any] = response.json()["model"]
+    except (requests.RequestException, ValueError, KeyError) as exc:
+        raise WorkloadError(
+            f"GET {url} failed ({exc}); is the service running there? Start it with `bash scripts/serve`"
+        ) from exc
+    if model.get("item_kind") != "text":
+        try:
+            sample_item(model)
+        except ValueError as exc:
+            raise WorkloadError(str(exc)) from exc
+    return model

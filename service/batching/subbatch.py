@@ -1,0 +1,122 @@
+"""Length-aware batches: how a gathered batch is cut into sub-batches. Pure: no clock, no model.
+
+A padded batch costs what its longest item costs, times its rows: one long
+sentence among thirty short ones makes every short one pay for its length.
+When a model reports each item's size (a text model: its token count), the
+batch thread sorts the gathered items by size and runs them as consecutive
+sub-batches, cut where the estimated cost is lowest:
+
+    cost(sub-batch) = overhead + per_token * rows * longest
+
+``CostModel`` learns ``overhead`` (a model call's fixed cost) and ``per_token``
+(each padded token's) from timed calls on the machine it runs on: a few at
+load (service.runtime calibrates) and every sub-batch after. ``cut`` finds the
+cheapest cuts by dynamic programming, each sub-batch within the padded-token
+budget (``SERVE_MAX_BATCH_TOKENS``), which bounds the activation memory one
+call may need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# The dynamic programme looks back at most this many rows per sub-batch, so a
+# batch of thousands of tiny items costs O(n * 512) to plan, not O(n^2); past
+# a few hundred rows the per-call overhead is spread thin enough that longer
+# sub-batches save nothing measurable.
+MAX_ROWS_CONSIDERED = 512
+
+
+@dataclass(frozen=True)
+class Cost:
+    """A model call's estimated cost in seconds: ``overhead_s + per_token_s * padded tokens``."""
+
+    overhead_s: float
+    per_token_s: float
+
+    def of(self, rows: int, longest: int) -> float:
+        return self.overhead_s + self.per_token_s * rows * longest
+
+
+class CostModel:
+    """A least-squares line through timed calls, weighted towards the recent ones.
+
+    Each observation is one model call: its padded tokens and its seconds.
+    Older observations fade by ``decay`` per new one, so the line follows a
+    machine whose speed changes (a neighbour's load, a GPU's clocks) within a
+    few dozen calls. Not thread-safe: only the batch thread (and, before it
+    starts, the loader thread) touches it.
+    """
+
+    def __init__(self, decay: float = 0.98) -> None:
+        if not 0 < decay <= 1:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        self._decay = decay
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, padded_tokens: int, seconds: float) -> None:
+        if padded_tokens <= 0 or seconds < 0:
+            return
+        d = self._decay
+        x, y = float(padded_tokens), seconds
+        self._w = d * self._w + 1
+        self._x = d * self._x + x
+        self._y = d * self._y + y
+        self._xx = d * self._xx + x * x
+        self._xy = d * self._xy + x * y
+
+    @property
+    def observed(self) -> bool:
+        return self._w > 0
+
+    def estimate(self) -> Cost | None:
+        """The fitted cost, or None before any observation."""
+        if self._w == 0:
+            return None
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var_x = self._xx / self._w - mean_x * mean_x
+        if var_x > 1e-9 * max(1.0, mean_x * mean_x):
+            slope = (self._xy / self._w - mean_x * mean_y) / var_x
+            intercept = mean_y - slope * mean_x
+            if slope > 0 and intercept >= 0:
+                return Cost(intercept, slope)
+            if slope > 0:
+                # Timing noise can tip the intercept below zero: keep the slope
+                # through the mean, with no overhead.
+                return Cost(0.0, mean_y / mean_x)
+        # Every call the same size so far (or a line that falls): the time per
+        # token of what was seen, no overhead. Cuts then only avoid padding.
+        return Cost(0.0, mean_y / mean_x if mean_x > 0 else 0.0)
+
+
+def cut(sizes: Sequence[int], cost: Cost, *, max_tokens: int, max_rows: int) -> list[tuple[int, int]]:
+    """Cheapest split of ``sizes`` (sorted ascending) into consecutive ``(start, end)`` ranges.
+
+    Each range holds at most ``max_rows`` items and at most ``max_tokens``
+    padded tokens (rows times its longest item); an item larger than the
+    budget alone runs alone. Ties go to fewer, longer sub-batches.
+    """
+    n = len(sizes)
+    if any(sizes[i] > sizes[i + 1] for i in range(n - 1)):
+        raise ValueError("sizes must be sorted ascending")
+    if n == 0:
+        return []
+    limit = min(max_rows, MAX_ROWS_CONSIDERED)
+    best = [0.0] + [float("inf")] * n
+    start_of = [0] * (n + 1)
+    for end in range(1, n + 1):
+        longest = sizes[end - 1]
+        for start in range(end - 1, max(-1, end - 1 - limit), -1):
+            rows = end - start
+            if rows > 1 and rows * longest > max_tokens:
+                break  # longer ranges ending here only get bigger
+            total = best[start] + cost.of(rows, longest)
+            if total <= best[end]:
+                best[end], start_of[end] = total, start
+    cuts = []
+    end = n
+    while end > 0:
+        cuts.append((start_of[end], end))
+        end = start_of[end]
+    return cuts[::-1]

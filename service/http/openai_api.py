@@ -1,0 +1,211 @@
+"""OpenAI's embeddings API: ``POST /v1/embeddings`` and ``GET /v1/models``.
+
+Served for models whose items are text and whose outputs are vectors, so that
+the openai SDK, and the RAG stacks built on it, can embed through the batched
+path (service.http.inference). Any other model answers 404 saying why.
+
+Errors take OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
+with the statuses the SDK maps to its exceptions: 400 BadRequestError (the
+/predict route's 413, 415 and 422 are 400 here), 401 AuthenticationError, 404
+NotFoundError, and 5xx InternalServerError, which the SDK retries.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from typing import Any
+
+import numpy as np
+from flask import Blueprint, Flask, Response, current_app, request
+
+from service.errors import ModelError, ServeError
+from service.http import v2_codec
+from service.http.inference import json_response, run_batched, runtime, with_batch_size
+from service.http.payload import load_json, prepare_items, require_json
+from service.models import Model
+from service.models.base import SizedModel, json_type
+
+bp = Blueprint("openai", __name__, url_prefix="/v1")
+
+OWNER = "torch-serve-batched"
+ENCODINGS = ("float", "base64")
+_CREATED = "openai_created"
+# Statuses the SDK has no exception class for, and what OpenAI answers instead.
+_STATUS = {413: 400, 415: 400, 422: 400}
+
+
+class OpenAIError(ServeError):
+    """An error about one field of the request, which OpenAI's shape names in ``param``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.code = code
+
+
+def init_app(app: Flask) -> None:
+    app.register_blueprint(bp)
+    # "created" in /v1/models: when this worker started serving.
+    app.extensions[_CREATED] = int(time.time())
+
+
+def error_response(status: int, message: str, exc: BaseException | None = None) -> Response:
+    status = _STATUS.get(status, status)
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    param, code = (exc.param, exc.code) if isinstance(exc, OpenAIError) else (None, None)
+    if status == 401:
+        code = "invalid_api_key"
+    error = {"message": message, "type": kind, "param": param, "code": code}
+    return json_response({"error": error}, status)
+
+
+@bp.get("/models")
+def list_models() -> Response:
+    model = _embedding_model()
+    return json_response({"object": "list", "data": [_describe(model)]})
+
+
+@bp.get("/models/<name>")
+def get_model(name: str) -> Response:
+    model = _embedding_model()
+    _check_model(model, name)
+    return json_response(_describe(model))
+
+
+@bp.post("/embeddings")
+def embeddings() -> Response:
+    asked: dict[str, Any] = {}
+
+    def parse(body: bytes, model: Model) -> list[object]:
+        _check_embedding_model(model)
+        require_json(request.content_type)
+        document = load_json(body, '{"input": "text", "model": "' + model.name + '"}')
+        if not isinstance(document, dict):
+            raise OpenAIError(400, f"the body must be a JSON object, got {json_type(document)}")
+        asked.update(_check_request(document, model))
+        asked["items"] = prepare_items(
+            asked["texts"], model, runtime().settings.max_items_per_request, "input"
+        )
+        return asked["items"]  # type: ignore[no-any-return]
+
+    done = run_batched(parse)
+    vectors = _vectors(done.model, done.outputs)
+    data = [
+        {"object": "embedding", "index": i, "embedding": _encode(vector, asked["encoding_format"])}
+        for i, vector in enumerate(vectors)
+    ]
+    tokens = _count_tokens(done.model, asked["items"])
+    document = {
+        "object": "list",
+        "data": data,
+        "model": done.model.name,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+    return with_batch_size(json_response(document), done.batch_size)
+
+
+def _check_request(document: dict[str, Any], model: Model) -> dict[str, Any]:
+    name = document.get("model")
+    if not isinstance(name, str):
+        raise OpenAIError(400, f'"model" must name the model, {model.name!r}', param="model")
+    _check_model(model, name)
+    if document.get("dimensions") is not None:
+        raise OpenAIError(
+            400,
+            f'"dimensions" is not supported: model {model.name!r} returns embeddings of a fixed size; '
+            "leave it out",
+            param="dimensions",
+        )
+    encoding = document.get("encoding_format", "float")
+    if encoding is None:
+        encoding = "float"
+    if encoding not in ENCODINGS:
+        raise OpenAIError(
+            400,
+            f'"encoding_format" must be "float" or "base64", got {encoding!r:.40}',
+            param="encoding_format",
+        )
+    return {"texts": _texts(document.get("input")), "encoding_format": encoding}
+
+
+def _texts(given: Any) -> list[str]:
+    texts = [given] if isinstance(given, str) else given
+    if not isinstance(texts, list):
+        raise OpenAIError(
+            400, f'"input" must be a string or a list of strings, got {json_type(given)}', param="input"
+        )
+    if not texts:
+        raise OpenAIError(400, '"input" is empty; send at least one text', param="input")
+    for index, text in enumerate(texts):
+        if not isinstance(text, str):
+            hint = "; token arrays are not supported, send the text" if isinstance(text, (int, list)) else ""
+            raise OpenAIError(
+                400, f"input[{index}]: expected a string, got {json_type(text)}{hint}", param="input"
+            )
+        if not text:
+            raise OpenAIError(400, f"input[{index}] is an empty string; send some text", param="input")
+    return texts
+
+
+def _embedding_model() -> Model:
+    model, _ = runtime().require_ready()
+    _check_embedding_model(model)
+    return model
+
+
+def _check_embedding_model(model: Model) -> None:
+    shape = v2_codec.output_spec(model).shape
+    if model.item_kind != "text" or (shape is not None and len(shape) != 2):
+        raise OpenAIError(
+            404,
+            f"model {model.name!r} takes {model.item_kind} items and returns outputs of shape "
+            f"{v2_codec.output_spec(model).describe()['shape']}; the embeddings API serves only models "
+            "that take text and return vectors. POST /predict serves this one",
+            code="model_not_found",
+        )
+
+
+def _check_model(model: Model, name: str) -> None:
+    if name != model.name:
+        raise OpenAIError(
+            404,
+            f"The model {name!r} does not exist; this service serves {model.name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _describe(model: Model) -> dict[str, Any]:
+    return {
+        "id": model.name,
+        "object": "model",
+        "created": current_app.extensions[_CREATED],
+        "owned_by": OWNER,
+    }
+
+
+def _vectors(model: Model, outputs: Any) -> np.ndarray:
+    try:
+        array = np.asarray(outputs, dtype="<f4")
+    except (TypeError, ValueError) as exc:
+        raise ModelError(f"model {model.name!r} returned outputs that are not vectors of numbers") from exc
+    if array.ndim != 2:
+        raise ModelError(f"model {model.name!r} returned outputs of shape {list(array.shape)}, not vectors")
+    return array
+
+
+def _encode(vector: np.ndarray, encoding: str) -> Any:
+    if encoding == "base64":
+        # What the SDK decodes: little-endian float32, base64.
+        return base64.b64encode(vector.tobytes()).decode("ascii")
+    return vector
+
+
+def _count_tokens(model: Model, items: list[Any]) -> int:
+    """Tokens the model read: a text model's item size is its token count after truncation
+    (service.models.base.SizedModel); 0 for a model that does not report sizes."""
+    if not isinstance(model, SizedModel):
+        return 0
+    return sum(model.item_size(item) for item in items)

@@ -1,0 +1,118 @@
+"""Open Inference Protocol v2 (REST), as Triton, KServe and MLServer speak it.
+
+Thin: metadata comes from the served model, and ``infer`` is the shared
+batched path (service.http.inference) with the tensors of service.http.v2_codec
+around it. Errors are ``{"error": message}``; a bad tensor, datatype or shape
+is a 400 that names the input (service.http.shapes maps the 422 that /predict
+answers for a bad item).
+"""
+
+from __future__ import annotations
+
+from flask import Blueprint, Response, request
+
+from service import __version__
+from service.errors import ServeError
+from service.http import v2_codec
+from service.http.inference import json_response, run_batched, runtime, with_batch_size
+from service.models import Model
+
+bp = Blueprint("v2", __name__, url_prefix="/v2")
+
+SERVER_NAME = "torch-serve-batched"
+PLATFORM = "pytorch"
+
+
+class NotFound(ServeError):
+    status = 404
+
+
+@bp.get("")
+def server_metadata() -> Response:
+    return json_response(
+        {"name": SERVER_NAME, "version": __version__, "extensions": list(v2_codec.EXTENSIONS)}
+    )
+
+
+@bp.get("/health/live")
+def live() -> Response:
+    # tritonclient reads the status alone, KServe's client the body's "live".
+    return json_response({"live": True})
+
+
+@bp.get("/health/ready")
+def ready() -> Response:
+    reason = runtime().readiness()
+    if reason is not None:
+        return json_response({"ready": False, "error": reason}, 503)
+    return json_response({"ready": True})
+
+
+@bp.get("/models/<name>")
+@bp.get("/models/<name>/versions/<version>")
+def model_metadata(name: str, version: str | None = None) -> Response:
+    model = _served(name, version)
+    spec = _input_spec(model)
+    return json_response(
+        {
+            "name": model.name,
+            "versions": [v2_codec.VERSION],
+            "platform": PLATFORM,
+            "inputs": [spec.describe()],
+            "outputs": [v2_codec.output_spec(model).describe()],
+        }
+    )
+
+
+@bp.get("/models/<name>/ready")
+@bp.get("/models/<name>/versions/<version>/ready")
+def model_ready(name: str, version: str | None = None) -> Response:
+    model = _served(name, version)
+    _input_spec(model)
+    return json_response({"name": model.name, "ready": True})
+
+
+@bp.post("/models/<name>/infer")
+@bp.post("/models/<name>/versions/<version>/infer")
+def infer(name: str, version: str | None = None) -> Response:
+    parsed: list[v2_codec.InferRequest] = []
+
+    def parse(body: bytes, model: Model) -> list[object]:
+        _check_name(model, name, version)
+        spec = _input_spec(model)
+        infer_request = v2_codec.parse_request(body, request.headers.get(v2_codec.HEADER_LENGTH), spec)
+        parsed.append(infer_request)
+        return v2_codec.items(infer_request, spec, model, runtime().settings.max_items_per_request)
+
+    done = run_batched(parse)
+    body, header_length = v2_codec.encode_response(done.model.name, parsed[0], done.outputs)
+    if header_length is None:
+        response = Response(body, mimetype="application/json")
+    else:
+        response = Response(body, mimetype="application/octet-stream")
+        response.headers[v2_codec.HEADER_LENGTH] = str(header_length)
+    return with_batch_size(response, done.batch_size)
+
+
+def _served(name: str, version: str | None) -> Model:
+    """The loaded model, if ``name`` (and ``version``) name it; 404 if not, 503 while loading."""
+    model, _ = runtime().require_ready()
+    _check_name(model, name, version)
+    return model
+
+
+def _check_name(model: Model, name: str, version: str | None) -> None:
+    if name != model.name:
+        raise NotFound(f"unknown model {name!r}; this service serves {model.name!r}")
+    if version is not None and version != v2_codec.VERSION:
+        raise NotFound(f"model {name!r} has no version {version!r}; it serves version {v2_codec.VERSION}")
+
+
+def _input_spec(model: Model) -> v2_codec.TensorSpec:
+    spec = v2_codec.input_spec(model)
+    if spec is None:
+        raise NotFound(
+            f"model {model.name!r} takes items of kind {model.item_kind!r}, which the Open Inference "
+            "Protocol cannot describe; POST /predict serves it"
+        )
+    return spec

@@ -1,0 +1,81 @@
+"""Headless Locust runs the dashboard's scenarios and writes the service's figures beside its reports."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.server import ROOT, Server, gunicorn
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SMALL_MLP = {"SERVE_MODEL": "mlp", "SERVE_MLP_WIDTH": "16", "SERVE_MLP_DEPTH": "2", "SERVE_WORKERS": "1"}
+ROUTES = ("/predict/batched", "/predict/naive")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    with gunicorn(SMALL_MLP) as s:
+        yield s
+
+
+def test_headless_step_load_writes_locust_s_reports_and_the_batching_figures(
+    server: Server, tmp_path: Path
+) -> None:
+    prefix, report = tmp_path / "step", tmp_path / "step.html"
+    result = subprocess.run(
+        [
+            *(sys.executable, "-m", "locust", "-f", "locustfile.py", "--host", server.url, "--headless"),
+            *("--shape", "StepLoad", "--step-seconds", "3", "--metrics-interval", "0.5"),
+            *("--csv", str(prefix), "--html", str(report), "--only-summary", "NaiveUser", "BatchedUser"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(f"{prefix}_stats.csv") as f:
+        stats = {row["Name"]: row for row in csv.DictReader(f)}
+    assert set(stats) == {*ROUTES, "Aggregated"}, "GET /info and /metrics stay out of the statistics"
+    assert int(stats["Aggregated"]["Failure Count"]) == 0
+
+    with open(f"{prefix}_batching.csv") as f:
+        batching = {(row["Users"], row["Route"]): row for row in csv.DictReader(f)}
+    for route in ROUTES:
+        assert int(batching[("whole run", route)]["Requests"]) > 0
+        assert int(batching[("whole run", route)]["Shed (503)"]) == 0
+    users_seen = {users for users, _ in batching}
+    for users in (1, 8, 32, 64):  # each route had a turn at each count
+        assert {f"{users} BatchedUser", f"{users} NaiveUser"} <= users_seen
+    assert float(batching[("64 BatchedUser", "batcher (all batched routes)")]["Mean batch size"]) >= 1
+
+    html = report.read_text()
+    assert html.count('id="service-batching"') == 1
+    assert "64 BatchedUser" in html
+
+
+def test_a_plain_headless_run_keeps_its_user_count_and_think_time(server: Server, tmp_path: Path) -> None:
+    prefix = tmp_path / "plain"
+    result = subprocess.run(
+        [
+            *(sys.executable, "-m", "locust", "-f", "locustfile.py", "--host", server.url, "--headless"),
+            *("-u", "3", "-r", "3", "-t", "3s", "--wait-min", "0", "--wait-max", "0.05"),
+            *("--csv", str(prefix), "--only-summary", "BatchedUser"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Shape test" not in result.stderr, "no shape runs unless one is asked for"
+    assert "All users spawned" in result.stderr and "(3 total users)" in result.stderr
+    with open(f"{prefix}_batching.csv") as f:
+        batching = {(row["Users"], row["Route"]): row for row in csv.DictReader(f)}
+    assert int(batching[("3 BatchedUser", "/predict/batched")]["Requests"]) > 0

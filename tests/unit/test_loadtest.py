@@ -1,0 +1,156 @@
+"""The load test's parts that need no running Locust: metrics readings, the panel's steps, the shapes."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from flask.testing import FlaskClient
+
+from scripts.loadtest.panel import WHOLE_RUN, Panel
+from scripts.loadtest.scenarios import ARTICLE_LOAD, STEP_LOAD, turn
+from scripts.loadtest.service_metrics import BATCHER_ROW, NOT_APPLICABLE, Reading, RouteCounts, rows
+from scripts.loadtest.workload import Workload, read_corpus
+
+
+def test_a_reading_holds_the_service_counters_and_leaves_out_scrapes_and_probes(client: FlaskClient) -> None:
+    item = [0.5] * 16
+    before = Reading.parse(client.get("/metrics").get_data(as_text=True))
+    for _ in range(3):
+        assert client.post("/predict/batched", json={"inputs": [item, item]}).status_code == 200
+    assert client.post("/predict/naive", json={"inputs": [item]}).status_code == 200
+    assert client.post("/predict/naive", json={"inputs": "nope"}).status_code == 422
+    assert client.get("/info").status_code == 200
+    after = Reading.parse(client.get("/metrics").get_data(as_text=True))
+
+    growth = after - before
+    assert set(growth.routes) == {"/predict/batched", "/predict/naive"}
+    assert growth.routes["/predict/batched"].by_code == {"200": 3.0}
+    assert growth.routes["/predict/naive"].by_code == {"200": 1.0, "422": 1.0}
+    assert growth.items == 6  # the naive route runs no batches
+    assert 1 <= growth.batches <= 3
+    assert growth.queue_wait_count == 3
+
+
+def test_rows_give_per_route_figures_and_the_batcher_s() -> None:
+    growth = Reading(
+        routes={
+            "/predict/batched": RouteCounts(
+                {"200": 90.0, "503": 8.0, "504": 2.0}, latency_sum=5.0, latency_count=100.0
+            ),
+            "/predict/naive": RouteCounts({"200": 40.0}, latency_sum=8.0, latency_count=40.0),
+            "/predict": RouteCounts({}, 0.0, 0.0),  # a route with no load this time: no row
+        },
+        items=90.0,
+        batches=30.0,
+        queue_wait_sum=0.9,
+        queue_wait_count=90.0,
+        model_sum=0.6,
+        model_count=30.0,
+        rejected={"queue_full": 8.0},
+    )
+    table = {row["route"]: row for row in rows("8 BatchedUser", growth, seconds=10.0)}
+
+    assert list(table) == ["/predict/batched", "/predict/naive", BATCHER_ROW]
+    batched = table["/predict/batched"]
+    assert (batched["requests"], batched["rps"], batched["mean_latency_ms"]) == (100, 10.0, 50.0)
+    assert (batched["shed"], batched["timed_out"], batched["mean_batch_size"]) == (8, 2, NOT_APPLICABLE)
+    batcher = table[BATCHER_ROW]
+    assert (batcher["batches"], batcher["mean_batch_size"], batcher["queue_full"]) == (30, 3.0, 8)
+    assert (batcher["mean_queue_wait_ms"], batcher["mean_model_ms"]) == (10.0, 20.0)
+    assert batcher["requests"] == NOT_APPLICABLE
+    assert all(row["users"] == "8 BatchedUser" for row in table.values())
+
+
+def _reading(requests: float, batches: float, items: float) -> Reading:
+    return Reading(
+        routes={"/predict/batched": RouteCounts({"200": requests}, requests * 0.01, requests)},
+        items=items,
+        batches=batches,
+    )
+
+
+def test_the_panel_keeps_each_step_apart_and_drops_intervals_that_straddle_two() -> None:
+    panel = Panel(SimpleNamespace(host="http://127.0.0.1:1", runner=None))
+    panel.add(0.0, _reading(0, 0, 0), {"BatchedUser": 1, "NaiveUser": 0})
+    panel.add(1.0, _reading(10, 10, 10), {"BatchedUser": 1})
+    panel.add(2.0, _reading(100, 20, 100), {"BatchedUser": 8})  # changed: this second is nobody's
+    panel.add(3.0, _reading(200, 30, 200), {"BatchedUser": 8})
+
+    table = {(row["users"], row["route"]): row for row in panel.rows()}
+    assert [key[0] for key in table] == [WHOLE_RUN, WHOLE_RUN, "1 BatchedUser", "1 BatchedUser"] + [
+        "8 BatchedUser"
+    ] * 2
+    assert table[("1 BatchedUser", BATCHER_ROW)]["mean_batch_size"] == 1.0
+    assert table[("8 BatchedUser", BATCHER_ROW)]["mean_batch_size"] == 10.0
+    assert table[("8 BatchedUser", "/predict/batched")]["requests"] == 100
+    assert table[(WHOLE_RUN, "/predict/batched")]["requests"] == 200
+    assert table[(WHOLE_RUN, "/predict/batched")]["rps"] == round(200 / 3, 1)
+
+
+def test_the_panel_report_table_is_added_to_locust_s_report_once() -> None:
+    panel = Panel(SimpleNamespace(host="http://127.0.0.1:1", runner=None))
+    panel.add(0.0, _reading(0, 0, 0), {"BatchedUser": 4})
+    panel.add(1.0, _reading(8, 2, 8), {"BatchedUser": 4})
+    report = panel.add_to_report(panel.add_to_report("<html><body><div id='root'></div></body></html>"))
+    assert report.count('id="service-batching"') == 1
+    assert report.index('id="service-batching"') < report.index("</body>")
+    assert "<td>4 BatchedUser</td>" in report
+    assert panel.csv_text().splitlines()[0].startswith("Users,Route,Requests")
+
+
+def test_a_service_that_cannot_be_read_shows_why_in_the_first_row() -> None:
+    panel = Panel(SimpleNamespace(host="http://127.0.0.1:1", runner=None))
+    panel.scrape()
+    [row] = panel.rows()
+    assert row["users"] == "error"
+    assert row["route"].startswith("GET http://127.0.0.1:1/metrics failed")
+
+
+@pytest.mark.parametrize(
+    ("elapsed", "running", "expected"),
+    [
+        (0.0, {}, (1, 1.0, "BatchedUser")),
+        (9.9, {"BatchedUser": 1}, (1, 1.0, "BatchedUser")),
+        (10.0, {"BatchedUser": 1}, (0, 100.0, "NaiveUser")),  # the previous turn's users stop first
+        (11.0, {"BatchedUser": 0}, (1, 1.0, "NaiveUser")),
+        (20.0, {"NaiveUser": 1}, (0, 100.0, "BatchedUser")),
+        (21.0, {}, (8, 8.0, "BatchedUser")),
+        (75.0, {}, (64, 64.0, "NaiveUser")),
+        (80.0, {"NaiveUser": 64}, None),
+    ],
+)
+def test_step_load_gives_each_route_a_turn_at_each_count(
+    elapsed: float, running: dict[str, int], expected: Any
+) -> None:
+    assert turn(STEP_LOAD, ["NaiveUser", "BatchedUser"], running, elapsed, step_seconds=10.0) == expected
+
+
+def test_with_one_class_picked_the_scenario_walks_its_counts_alone() -> None:
+    assert turn(ARTICLE_LOAD, ["BatchedUser"], {"BatchedUser": 5}, 7.0, step_seconds=3.0) == (
+        20,
+        20.0,
+        "BatchedUser",
+    )
+    assert turn(ARTICLE_LOAD, ["BatchedUser"], {"BatchedUser": 20}, 9.0, step_seconds=3.0) is None
+    assert ARTICLE_LOAD.think_time == (1.0, 3.0)
+    assert STEP_LOAD.think_time == (0.0, 0.0)
+
+
+def test_a_step_must_last_some_time() -> None:
+    with pytest.raises(ValueError, match="LOCUST_STEP_SECONDS"):
+        turn(STEP_LOAD, ["BatchedUser"], {}, 1.0, step_seconds=2.5)
+
+
+def test_text_models_get_corpus_texts_and_others_sample_items() -> None:
+    texts = tuple(read_corpus())
+    assert len(texts) > 100
+    assert len({len(text) for text in texts}) > 50, "the corpus mixes lengths"
+    rng = random.Random(0)
+    text_body = Workload({"item_kind": "text", "item_shape": None}, texts).body(3, rng)
+    assert len(text_body["inputs"]) == 3
+    assert all(text in texts for text in text_body["inputs"])
+    vector_body = Workload({"item_kind": "vector", "item_shape": [4]}, texts).body(2, rng)
+    assert [len(item) for item in vector_body["inputs"]] == [4, 4]

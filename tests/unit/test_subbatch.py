@@ -1,0 +1,101 @@
+"""Sub-batch cuts and the cost model (service.batching.subbatch): pure functions, no model."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from service.batching.subbatch import Cost, CostModel, cut
+
+
+def padded(sizes: list[int], ranges: list[tuple[int, int]]) -> int:
+    return sum((end - start) * sizes[end - 1] for start, end in ranges)
+
+
+def test_one_long_item_is_cut_off_from_the_short_ones() -> None:
+    sizes = [2, 2, 2, 2, 100]
+    # One call: 10 + 5 x 100 = 510; short ones apart: (10 + 8) + (10 + 100) = 128.
+    assert cut(sizes, Cost(10, 1), max_tokens=10_000, max_rows=64) == [(0, 4), (4, 5)]
+
+
+def test_equal_sizes_run_as_one_call_when_calls_cost_something() -> None:
+    assert cut([12] * 64, Cost(0.002, 1e-5), max_tokens=10_000, max_rows=64) == [(0, 64)]
+
+
+def test_ties_go_to_fewer_longer_sub_batches() -> None:
+    # No overhead: one call or three cost the same padded tokens.
+    assert cut([5, 5, 5], Cost(0, 1), max_tokens=100, max_rows=64) == [(0, 3)]
+
+
+def test_every_sub_batch_keeps_within_the_token_budget_and_the_row_limit() -> None:
+    sizes = sorted([3, 7, 7, 9, 12, 15, 15, 30, 31, 60, 61, 64] * 4)
+    ranges = cut(sizes, Cost(1.0, 0.001), max_tokens=200, max_rows=5)
+    assert [r for r in ranges if r[1] - r[0] > 5] == []
+    assert all((end - start) * sizes[end - 1] <= 200 for start, end in ranges)
+    # Consecutive and complete: every item in exactly one sub-batch, in order.
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(sizes)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+
+
+def test_an_item_over_the_budget_runs_alone() -> None:
+    assert cut([4, 4, 500], Cost(1, 0.01), max_tokens=100, max_rows=64) == [(0, 2), (2, 3)]
+
+
+def test_the_cut_is_no_worse_than_any_fixed_chunk_size() -> None:
+    sizes = sorted([8, 9, 11, 14, 17, 19, 22, 25, 28, 33, 41, 52, 67, 88, 120, 160] * 4)
+    cost = Cost(0.003, 2e-5)
+    best = cut(sizes, cost, max_tokens=1 << 20, max_rows=64)
+
+    def total(ranges: list[tuple[int, int]]) -> float:
+        return sum(cost.of(end - start, sizes[end - 1]) for start, end in ranges)
+
+    for chunk in (1, 2, 4, 8, 16, 64):
+        fixed = [(i, min(i + chunk, len(sizes))) for i in range(0, len(sizes), chunk)]
+        assert total(best) <= total(fixed) + 1e-12
+    assert padded(sizes, best) < padded(sizes, [(0, len(sizes))])
+
+
+def test_unsorted_sizes_are_refused() -> None:
+    with pytest.raises(ValueError, match="sorted"):
+        cut([3, 1], Cost(0, 1), max_tokens=10, max_rows=4)
+
+
+def test_the_cost_model_recovers_a_line() -> None:
+    model = CostModel()
+    assert model.estimate() is None
+    for tokens in (10, 40, 160, 640, 2560):
+        model.observe(tokens, 0.002 + 1e-5 * tokens)
+    estimate = model.estimate()
+    assert estimate is not None
+    assert estimate.overhead_s == pytest.approx(0.002, rel=1e-6)
+    assert estimate.per_token_s == pytest.approx(1e-5, rel=1e-6)
+
+
+def test_the_cost_model_follows_a_machine_that_slows_down() -> None:
+    model = CostModel(decay=0.9)
+    for _ in range(5):
+        for tokens in (10, 100, 1000):
+            model.observe(tokens, 0.001 + 1e-5 * tokens)
+    for _ in range(30):
+        for tokens in (10, 100, 1000):
+            model.observe(tokens, 0.001 + 4e-5 * tokens)
+    estimate = model.estimate()
+    assert estimate is not None
+    assert estimate.per_token_s == pytest.approx(4e-5, rel=0.05)
+
+
+def test_one_size_only_gives_a_cost_per_token_and_no_overhead() -> None:
+    model = CostModel()
+    model.observe(100, 0.01)
+    model.observe(100, 0.03)
+    # The mean time per token, the older call weighing a little less.
+    assert model.estimate() == Cost(0.0, pytest.approx(2e-4, rel=0.02))
+
+
+def test_a_falling_line_keeps_a_positive_cost_per_token() -> None:
+    model = CostModel()
+    model.observe(10, 0.5)  # a preempted call
+    model.observe(1000, 0.01)
+    estimate = model.estimate()
+    assert estimate is not None and estimate.per_token_s > 0 and estimate.overhead_s == 0
