@@ -82,16 +82,20 @@ class ServiceMeter:
         return self._busy_s / self._answered
 
 
-def predict_wait(ahead: int, seconds_per_request: float | None) -> float:
+def predict_wait(ahead: int, seconds_per_request: float | None, batch_size: int = 1) -> float:
     """Seconds until a newcomer behind ``ahead`` requests is answered.
 
     Its own service counts too: with ``ahead`` at zero it still waits one
-    request's time. Unknown (nothing served yet): zero, so a fresh worker
-    takes its first requests and learns its rate from them.
+    request's time. Work that fits in one batch with it (``batch_size``) runs
+    in one model call, whatever the average over the recent, perhaps smaller,
+    batches says: only what is queued beyond a batch is charged at that
+    average. So a burst one batch can hold is never refused by prediction.
+    Unknown (nothing served yet): zero, so a fresh worker takes its first
+    requests and learns its rate from them.
     """
     if seconds_per_request is None:
         return 0.0
-    return (max(0, ahead) + 1) * seconds_per_request
+    return max(1, ahead + 2 - batch_size) * seconds_per_request
 
 
 class StandingQueue:

@@ -37,6 +37,14 @@ def test_the_predicted_wait_counts_the_work_ahead_and_the_newcomer_itself() -> N
     assert predict_wait(-3, 0.01) == pytest.approx(0.01)
 
 
+def test_work_that_fits_in_one_batch_with_the_newcomer_costs_one_request_time() -> None:
+    assert predict_wait(30, 0.01, batch_size=64) == pytest.approx(0.01)
+    assert predict_wait(62, 0.01, batch_size=64) == pytest.approx(0.01)
+    # Beyond a batch, each request queued is charged the average.
+    assert predict_wait(63, 0.01, batch_size=64) == pytest.approx(0.01)
+    assert predict_wait(163, 0.01, batch_size=64) == pytest.approx(1.01)
+
+
 def test_an_infinite_budget_refuses_nothing() -> None:
     rule = AdmissionRule(budget_s=math.inf)
     assert rule.decide(waited_s=1e6, predicted_s=1e6, standing=True) is None
