@@ -23,6 +23,10 @@ from dataclasses import dataclass
 # that one slow batch moves it little and a change of load is seen within a
 # second or two.
 DEFAULT_WINDOW = 256
+# Served requests before the measured rate is trusted: a rate learned from the
+# first few, often run alone or in small batches, would refuse the burst after
+# them that larger batches serve in good time.
+MIN_SERVED = 32
 
 
 # The predicted wait is an average over recent batches; under contention for
@@ -53,10 +57,12 @@ class ServiceMeter:
     expired in the queue) leave the count but add no time.
     """
 
-    def __init__(self, window: int = DEFAULT_WINDOW) -> None:
+    def __init__(self, window: int = DEFAULT_WINDOW, min_served: int = MIN_SERVED) -> None:
         if window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
+        self._min_served = min_served
         self._decay = 1 - 1 / window
+        self._served = 0
         self._busy_s = 0.0
         self._answered = 0.0
         self._last_done: float | None = None
@@ -72,30 +78,27 @@ class ServiceMeter:
         since = arrived if self._last_done is None else max(arrived, self._last_done)
         self._busy_s = self._busy_s * self._decay + max(0.0, now - since)
         self._answered = self._answered * self._decay + 1
+        self._served += 1
         self._last_done = now if self._last_done is None else max(now, self._last_done)
 
     @property
     def seconds_per_request(self) -> float | None:
-        """Mean service time per request; None until one has been served."""
-        if self._answered == 0:
+        """Mean service time per request; None until ``min_served`` have been served."""
+        if self._served < self._min_served or self._answered == 0:
             return None
         return self._busy_s / self._answered
 
 
-def predict_wait(ahead: int, seconds_per_request: float | None, batch_size: int = 1) -> float:
+def predict_wait(ahead: int, seconds_per_request: float | None) -> float:
     """Seconds until a newcomer behind ``ahead`` requests is answered.
 
     Its own service counts too: with ``ahead`` at zero it still waits one
-    request's time. Work that fits in one batch with it (``batch_size``) runs
-    in one model call, whatever the average over the recent, perhaps smaller,
-    batches says: only what is queued beyond a batch is charged at that
-    average. So a burst one batch can hold is never refused by prediction.
-    Unknown (nothing served yet): zero, so a fresh worker takes its first
-    requests and learns its rate from them.
+    request's time. Unknown (too few served yet, see MIN_SERVED): zero, so a
+    fresh worker takes its first requests and learns its rate from them.
     """
     if seconds_per_request is None:
         return 0.0
-    return max(1, ahead + 2 - batch_size) * seconds_per_request
+    return (max(0, ahead) + 1) * seconds_per_request
 
 
 class StandingQueue:

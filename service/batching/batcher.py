@@ -221,9 +221,7 @@ class Batcher:
     def predicted_wait(self) -> float:
         """Seconds a request submitted now would take to be answered, from the measured rate."""
         with self._lock:
-            return predict_wait(
-                self._meter.outstanding, self._meter.seconds_per_request, self._max_batch_size
-            )
+            return predict_wait(self._meter.outstanding, self._meter.seconds_per_request)
 
     def submit(self, items: list[Any], deadline: float, arrived: float | None = None) -> Pending:
         """Queue a request, or refuse it (503) when the queue is full or it cannot be answered in time.
@@ -248,9 +246,7 @@ class Batcher:
                 waited = 0.0 if arrived is None else pending.enqueued_at - arrived
                 refusal = self._admission.decide(
                     waited,
-                    predict_wait(
-                        self._meter.outstanding, self._meter.seconds_per_request, self._max_batch_size
-                    ),
+                    predict_wait(self._meter.outstanding, self._meter.seconds_per_request),
                 )
                 if refusal is not None:
                     raise Overloaded(refusal.message, refusal.retry_after_s, reason="over_budget")

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from service.batching.admission import AdmissionRule
+from service.batching.admission import AdmissionRule, ServiceMeter
 from service.batching.waiting import wait_result
 from service.errors import Overloaded
 from tests.batcher.test_batcher import FAR, GatedPredict, started
@@ -32,6 +32,7 @@ def test_a_request_that_arrived_past_its_budget_is_refused_at_submit() -> None:
 
 def test_the_prediction_counts_the_requests_held_and_forgets_the_answered(gated: GatedPredict) -> None:
     batcher = started(gated, max_batch_size=1)
+    batcher._meter = ServiceMeter(min_served=1)  # trust the rate from the first request on
     try:
         assert batcher.predicted_wait() == 0.0  # nothing served yet: no rate to predict from
         first = batcher.submit(["a"], FAR)
@@ -57,6 +58,7 @@ def test_the_prediction_counts_the_requests_held_and_forgets_the_answered(gated:
 
 def test_a_cancelled_request_leaves_the_count(gated: GatedPredict) -> None:
     batcher = started(gated, max_batch_size=1)
+    batcher._meter = ServiceMeter(min_served=1)  # trust the rate from the first request on
     try:
         first = batcher.submit(["a"], FAR)
         gated.wait_entered()

@@ -37,14 +37,6 @@ def test_the_predicted_wait_counts_the_work_ahead_and_the_newcomer_itself() -> N
     assert predict_wait(-3, 0.01) == pytest.approx(0.01)
 
 
-def test_work_that_fits_in_one_batch_with_the_newcomer_costs_one_request_time() -> None:
-    assert predict_wait(30, 0.01, batch_size=64) == pytest.approx(0.01)
-    assert predict_wait(62, 0.01, batch_size=64) == pytest.approx(0.01)
-    # Beyond a batch, each request queued is charged the average.
-    assert predict_wait(63, 0.01, batch_size=64) == pytest.approx(0.01)
-    assert predict_wait(163, 0.01, batch_size=64) == pytest.approx(1.01)
-
-
 def test_an_infinite_budget_refuses_nothing() -> None:
     rule = AdmissionRule(budget_s=math.inf)
     assert rule.decide(waited_s=1e6, predicted_s=1e6, standing=True) is None
@@ -55,6 +47,17 @@ def test_an_infinite_budget_refuses_nothing() -> None:
 def test_an_unmeasured_service_predicts_no_wait() -> None:
     assert predict_wait(500, None) == 0.0
     assert ServiceMeter().seconds_per_request is None
+
+
+def test_the_rate_is_trusted_only_after_enough_requests_were_served() -> None:
+    # The first requests often run alone or in small batches: a rate learned
+    # from them would refuse the burst that larger batches then serve in time.
+    meter = ServiceMeter(window=10_000, min_served=3)
+    meter.completed(now=1.0, arrived=0.0, served=True)
+    meter.completed(now=1.1, arrived=0.0, served=True)
+    assert meter.seconds_per_request is None
+    meter.completed(now=1.2, arrived=0.0, served=True)
+    assert meter.seconds_per_request == pytest.approx(1.2 / 3, rel=1e-3)
 
 
 def test_the_meter_counts_the_requests_it_holds() -> None:
@@ -71,7 +74,7 @@ def test_the_meter_counts_the_requests_it_holds() -> None:
 
 def test_a_backlog_served_in_batches_gives_the_time_per_request() -> None:
     # 64 requests queued at t=0, answered in batches of 16 every 0.4 s: 25 ms each.
-    meter = ServiceMeter(window=10_000)
+    meter = ServiceMeter(window=10_000, min_served=1)
     for batch in range(1, 5):
         for _ in range(16):
             meter.completed(now=0.4 * batch, arrived=0.0, served=True)
@@ -80,21 +83,21 @@ def test_a_backlog_served_in_batches_gives_the_time_per_request() -> None:
 
 def test_idle_time_between_requests_does_not_lower_the_rate() -> None:
     # One request every second, each served in 10 ms: the service takes 10 ms per request, not 1 s.
-    meter = ServiceMeter(window=10_000)
+    meter = ServiceMeter(window=10_000, min_served=1)
     for second in range(10):
         meter.completed(now=second + 0.01, arrived=float(second), served=True)
     assert meter.seconds_per_request == pytest.approx(0.01)
 
 
 def test_requests_that_left_unserved_add_no_time() -> None:
-    meter = ServiceMeter(window=10_000)
+    meter = ServiceMeter(window=10_000, min_served=1)
     meter.completed(now=0.01, arrived=0.0, served=True)
     meter.completed(now=5.0, arrived=0.0, served=False)  # expired in the queue
     assert meter.seconds_per_request == pytest.approx(0.01)
 
 
 def test_the_meter_follows_a_change_of_speed() -> None:
-    meter = ServiceMeter(window=32)
+    meter = ServiceMeter(window=32, min_served=1)
     t = 0.0
     for _ in range(200):  # 10 ms a request, then 40 ms: the average moves to the new speed
         t += 0.01
