@@ -35,8 +35,10 @@ except SettingsError as exc:
 
 bind = settings.bind
 worker_class = plan.worker_class
-if worker_class == "gthread" and settings.balance_connections:
-    # gthread, but each worker accepts only its share of the connections (service.host.balance).
+if worker_class == "gthread":
+    # gthread that stamps each request's arrival for the latency budget and, with
+    # SERVE_BALANCE_CONNECTIONS on, accepts only its share of the connections
+    # (service.host.balance).
     worker_class = "service.host.worker.BalancedThreadWorker"
 workers = len(plan.workers)
 threads = plan.threads
@@ -175,7 +177,11 @@ def _free_slot(server, worker):
 
 
 def _join_balance(server, worker):
-    if isinstance(worker, BalancedThreadWorker) and worker.serve_slot < connection_shares.capacity:
+    if (
+        settings.balance_connections
+        and isinstance(worker, BalancedThreadWorker)
+        and worker.serve_slot < connection_shares.capacity
+    ):
         worker.balance = Balance(connection_shares, worker.serve_slot)
 
 

@@ -60,7 +60,14 @@ SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 BATCH_SIZE_BUCKETS = tuple(float(2**i) for i in range(13))
 
 # Created at zero so that rate() over them works before the first occurrence.
-REJECTION_REASONS = ("queue_full", "not_ready", "shutting_down", "gpu_out_of_memory", "batch_thread_failed")
+REJECTION_REASONS = (
+    "queue_full",
+    "over_budget",
+    "not_ready",
+    "shutting_down",
+    "gpu_out_of_memory",
+    "batch_thread_failed",
+)
 TIMEOUT_REASONS = ("expired_in_queue", "expired_in_batch")
 
 _WORKER_LABELS = ("slot", "device")
@@ -90,6 +97,12 @@ class Metrics(BatchObserver):
         self.requests = _counter(r, "serve_http_requests_total", "HTTP requests answered.", "route", "code")
         self.request_duration = _histogram(
             r, "serve_http_request_duration_seconds", "From a request's arrival to its response.", "route"
+        )
+        self.wait_before_handler = _histogram(
+            r,
+            "serve_http_wait_before_handler_seconds",
+            "From a predict request's arrival (nginx's X-Request-Start, else the worker's accept) "
+            "until the service began to handle it.",
         )
         self.in_flight = _gauge(
             r, "serve_http_requests_in_flight", "Requests being handled now, /metrics scrapes included."
@@ -173,6 +186,9 @@ class Metrics(BatchObserver):
     def observe_request(self, route: str, code: int, seconds: float) -> None:
         self.requests.labels(route, str(code)).inc()
         self.request_duration.labels(route).observe(seconds)
+
+    def observe_wait(self, seconds: float) -> None:
+        self.wait_before_handler.observe(seconds)
 
     def count_error(self, exc: ServeError) -> None:
         """Count a shed request by its reason; called once per request, where it is answered."""

@@ -32,6 +32,7 @@ from typing import Any
 from flask import Flask
 
 from service.batching import native
+from service.batching.admission import AdmissionRule
 from service.batching.batcher import Batcher, BatchObserver, GatherPolicy, notify
 from service.batching.calibration import calibrate
 from service.batching.subbatch import CostModel
@@ -53,6 +54,8 @@ class ModelRuntime:
     def __init__(self, settings: Settings, observer: BatchObserver | None = None) -> None:
         self.settings = settings
         self.observer = observer or BatchObserver()
+        # Refuses what cannot be answered within the latency budget (service.http.door, the batcher).
+        self.admission = AdmissionRule(settings.latency_budget_s)
         self.model: Model | None = None
         self.batcher: Batcher | None = None
         # Why the model could not be loaded (for the log; see LOAD_FAILED).
@@ -119,6 +122,7 @@ class ModelRuntime:
             sizer=sizer,
             max_tokens=self.settings.max_batch_tokens,
             cost=None if sizer is None else _calibrated(model, sizer, self.settings.max_batch_size),
+            admission=self.admission,
         )
         batcher.start()
         self.model, self.batcher = model, batcher

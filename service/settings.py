@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import ipaddress
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -166,6 +167,7 @@ class Settings:
     max_body_bytes: int = 1 << 20
     max_queue: int | None = None
     request_timeout_ms: int = 30_000
+    latency_budget_ms: int | None = None
     stall_timeout_ms: int | None = None
     mlp_width: int = 256
     mlp_depth: int = 8
@@ -203,7 +205,14 @@ class Settings:
             raw = env.get(var)
             if raw is not None and raw.strip() != "":
                 values[field_name] = parse(var, raw)
-        return cls(**values)
+        settings = cls(**values)
+        budget, timeout = settings.latency_budget_ms, settings.request_timeout_ms
+        if budget is not None and budget > timeout:
+            raise SettingsError(
+                f"SERVE_LATENCY_BUDGET_MS must not exceed SERVE_REQUEST_TIMEOUT_MS ({timeout}), "
+                f"got {budget}: a request admitted for longer than its timeout would end in a 504"
+            )
+        return settings
 
     @property
     def queue_limit(self) -> int:
@@ -211,6 +220,23 @@ class Settings:
         # Four full batches: enough to keep the model busy while the next
         # batches gather, few enough that a queued request waits a bounded time.
         return self.max_queue if self.max_queue is not None else 4 * self.max_batch_size
+
+    @property
+    def latency_budget_s(self) -> float:
+        """How long after its arrival a request may still be answered; past it, 503 at once.
+
+        Infinite when SERVE_LATENCY_BUDGET_MS is 0: then only the queue bound sheds.
+        """
+        if self.latency_budget_ms == 0:
+            return math.inf
+        if self.latency_budget_ms is not None:
+            return self.latency_budget_ms / 1000
+        # A fifteenth of the request timeout (2 s of the default 30 s), at least
+        # half a second and never past the timeout: long enough to ride out a
+        # burst, short enough that nobody waits half a minute for an answer and
+        # that a backlog is gone within seconds of an overload ending.
+        timeout_s = self.request_timeout_ms / 1000
+        return min(timeout_s, max(0.5, timeout_s / 15))
 
     @property
     def gpu_indices(self) -> tuple[int, ...] | None:
@@ -245,6 +271,7 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "max_body_bytes": ("SERVE_MAX_BODY_BYTES", _integer(1024, 1 << 30)),
     "max_queue": ("SERVE_MAX_QUEUE", _integer(1, 1_000_000)),
     "request_timeout_ms": ("SERVE_REQUEST_TIMEOUT_MS", _integer(1, 3_600_000)),
+    "latency_budget_ms": ("SERVE_LATENCY_BUDGET_MS", _integer(0, 3_600_000)),
     "stall_timeout_ms": ("SERVE_STALL_TIMEOUT_MS", _integer(100, 86_400_000)),
     "mlp_width": ("SERVE_MLP_WIDTH", _integer(1, 65_536)),
     "mlp_depth": ("SERVE_MLP_DEPTH", _integer(1, 1024)),

@@ -30,6 +30,11 @@
 # - Metrics hooks (BatchObserver) run inside submit() and the batch loop; each
 #   call goes through notify(), which logs an exception and carries on, so a
 #   broken hook can neither leave the depth miscounted nor lose a request.
+# - Latency budget: submit() also refuses (503, over_budget) a request that the
+#   work held would take past its budget (service.batching.admission). The
+#   service meter changes under _lock: in submit(), and in each future's done
+#   callback, run by whichever thread completes it (batch thread, watchdog, or
+#   a caller cancelling), none of which holds _lock then.
 
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from service.batching import native
+from service.batching.admission import AdmissionRule, ServiceMeter, predict_wait
 from service.batching.subbatch import CostModel, cut
 from service.errors import DeadlineExceeded, ModelError, NotReady, Overloaded, ServeError
 from service.models.base import Outputs
@@ -155,6 +161,7 @@ class Batcher:
         sizer: Callable[[Any], int] | None = None,
         max_tokens: int | None = None,
         cost: CostModel | None = None,
+        admission: AdmissionRule | None = None,
     ) -> None:
         self._predict = predict
         self._sizer = sizer
@@ -165,6 +172,10 @@ class Batcher:
         self._queue_limit = queue_limit
         self._policy = policy or GatherPolicy()
         self._observer = observer or BatchObserver()
+        # Refuses work that cannot be answered within the latency budget (None: the count bound alone).
+        self._admission = admission
+        # Service rate and requests held, for predicting a newcomer's wait; changes under _lock.
+        self._meter = ServiceMeter()
         self._queue: native.SimpleQueue[Any] = native.SimpleQueue()
         self._lock = native.allocate_lock()  # guards _depth, _accepting and the in-flight counts
         self._depth = 0
@@ -207,7 +218,17 @@ class Batcher:
             with self._lock:
                 self._in_flight -= 1
 
-    def submit(self, items: list[Any], deadline: float) -> Pending:
+    def predicted_wait(self) -> float:
+        """Seconds a request submitted now would take to be answered, from the measured rate."""
+        with self._lock:
+            return predict_wait(self._meter.outstanding, self._meter.seconds_per_request)
+
+    def submit(self, items: list[Any], deadline: float, arrived: float | None = None) -> Pending:
+        """Queue a request, or refuse it (503) when the queue is full or it cannot be answered in time.
+
+        ``arrived``: when the request reached the service (monotonic), for the
+        latency budget; None counts from now.
+        """
         # Sized here, in the request thread, so the batch thread only sorts.
         sizes = None if self._sizer is None else [self._sizer(item) for item in items]
         pending = Pending(items, deadline, sizes)
@@ -219,13 +240,32 @@ class Batcher:
                     f"the queue is full ({self._queue_limit} requests waiting); retry shortly",
                     reason="queue_full",
                 )
+            if self._admission is not None:
+                # Checked again here, under the lock: many requests can pass the
+                # door's check at once before any of them is queued (a burst of greenlets).
+                waited = 0.0 if arrived is None else pending.enqueued_at - arrived
+                refusal = self._admission.decide(
+                    waited,
+                    predict_wait(self._meter.outstanding, self._meter.seconds_per_request),
+                )
+                if refusal is not None:
+                    raise Overloaded(refusal.message, refusal.retry_after_s, reason="over_budget")
             self._depth += 1
+            self._meter.submitted()
             # Reported under the lock: reported after it, a request thread and
             # the batch thread could report in the opposite order to their
             # changes and leave a stale depth behind.
             notify(self._observer.on_queue_depth, self._depth)
+        # Runs in whichever thread completes the future: the batch thread, the
+        # watchdog, or the caller cancelling it. None of them holds _lock then.
+        pending.future.add_done_callback(lambda _: self._answered(pending))
         self._queue.put(pending)
         return pending
+
+    def _answered(self, pending: Pending) -> None:
+        with self._lock:
+            # started_at is set only for requests the batch thread ran.
+            self._meter.completed(time.monotonic(), pending.enqueued_at, pending.started_at is not None)
 
     def start(self) -> None:
         """Run the batch loop in a new OS thread."""

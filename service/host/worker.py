@@ -1,18 +1,37 @@
-"""gunicorn's gthread worker, accepting only its share of the connections (service.host.balance).
+# design:
+# - The event loop (gthread's main thread) hands a connection to the thread
+#   pool when it is accepted or, kept alive, becomes readable again: that is
+#   when its request arrived. Under overload it then waits in the pool's queue
+#   for a free thread, out of the batcher's sight. enqueue_req stamps the
+#   connection then (time.monotonic()); the pool thread that takes it copies
+#   the stamp into a thread-local, and the WSGI callable puts it into the
+#   request's environ under ARRIVAL_ENVIRON_KEY, where service.http.door counts
+#   the wait toward the request's latency budget.
+# - A stamp is written before the connection is submitted to the pool and read
+#   by the one thread that runs it: the pool's queue orders the two.
+# - Balance: see service.host.balance; the event loop alone reads and updates it.
+
+"""gunicorn's gthread worker: it stamps each request's arrival, and accepts only its share of connections.
 
 ``gunicorn_conf.py`` names this class as the worker class wherever the plan says
-gthread, and hands each worker its ``Balance`` in ``post_fork``. Without one it
-is gthread unchanged.
+gthread, and hands each worker its ``Balance`` in ``post_fork`` when
+SERVE_BALANCE_CONNECTIONS is on. Without one it accepts as gthread does.
 """
 
 from __future__ import annotations
 
 import selectors
+import threading
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from gunicorn.workers.gthread import ThreadWorker
 
 from service.host.balance import Balance
+from service.http.arrival import ARRIVAL_ENVIRON_KEY
+
+WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
 class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ships no type hints
@@ -20,6 +39,8 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
     nr_conns: int  # gthread's count of the connections it holds open
     poller: selectors.BaseSelector
     _configured_connections: int
+    wsgi: Any
+    _arrivals: threading.local
 
     # gthread's event loop accepts while ``nr_conns < worker_connections`` and
     # re-reads both on every turn, so this property is where a worker that holds
@@ -35,6 +56,22 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
     def worker_connections(self, value: int) -> None:
         self._configured_connections = value
 
+    def load_wsgi(self) -> None:
+        super().load_wsgi()
+        self._arrivals = threading.local()
+        self.wsgi = _Stamped(self.wsgi, self._arrivals)
+
+    def enqueue_req(self, conn: Any) -> None:
+        conn.serve_arrived = time.monotonic()
+        super().enqueue_req(conn)
+
+    def handle(self, conn: Any) -> Any:
+        self._arrivals.at = getattr(conn, "serve_arrived", None)
+        try:
+            return super().handle(conn)
+        finally:
+            self._arrivals.at = None
+
     def run(self) -> None:
         if self.balance is not None:
             self.poller.register(self.balance.wakeup_fd, selectors.EVENT_READ, self._woken)
@@ -49,3 +86,24 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
     def _woken(self, _fd: Any) -> None:
         if self.balance is not None:  # registered only with one
             self.balance.woken()
+
+
+class _Stamped:
+    """The app, with each request's arrival put into its environ.
+
+    Every other attribute is the app's: the lifecycle hooks find the service's
+    runtime through ``worker.wsgi.extensions`` (service.host.lifecycle).
+    """
+
+    def __init__(self, app: WsgiApp, arrivals: threading.local) -> None:
+        self._app = app
+        self._arrivals = arrivals
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        arrived = getattr(self._arrivals, "at", None)
+        if arrived is not None:
+            environ[ARRIVAL_ENVIRON_KEY] = arrived
+        return self._app(environ, start_response)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._app, name)

@@ -17,6 +17,7 @@ from typing import Any
 
 from flask import Flask, Response, g, request
 
+from service.http.arrival import ARRIVAL_ENVIRON_KEY
 from service.logs import ACCESS_LOGGER
 from service.metrics import UNMATCHED_ROUTE, Metrics
 
@@ -59,7 +60,10 @@ def init_app(app: Flask, metrics: Metrics) -> None:
     @app.before_request
     def begin() -> None:
         g.request_id = request_id(request.headers.get(REQUEST_ID_HEADER))
-        g.started = time.monotonic()
+        # From the request's arrival where the door settled it (service.http.door):
+        # the wait for a thread is part of what the client waits.
+        arrived = request.environ.get(ARRIVAL_ENVIRON_KEY)
+        g.started = arrived if isinstance(arrived, float) else time.monotonic()
         metrics.request_started()
         g.counted_in_flight = True
 

@@ -9,6 +9,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from service.errors import Overloaded, ServeError, Unauthorized
 from service.http import access, openai_api, v2
+from service.http.door import Door
 from service.http.routes import bp
 from service.http.shapes import error_response
 from service.metrics import Metrics
@@ -40,6 +41,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     _register_error_handlers(app, settings, metrics)
     runtime = ModelRuntime(settings, observer=metrics)
     runtime.init_app(app)
+    # Outside Flask, so that a request refused for the latency budget costs no more than it must.
+    app.wsgi_app = Door(app.wsgi_app, runtime, metrics)  # type: ignore[method-assign]
     runtime.start()
     return app
 

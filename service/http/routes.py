@@ -101,6 +101,8 @@ def info() -> Response:
                 "max_items_per_request": s.max_items_per_request,
                 "max_body_bytes": s.max_body_bytes,
                 "request_timeout_ms": s.request_timeout_ms,
+                # null when SERVE_LATENCY_BUDGET_MS=0 turned the budget off
+                "latency_budget_ms": round(s.latency_budget_s * 1000) if s.latency_budget_ms != 0 else None,
             },
         }
     )

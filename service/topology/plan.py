@@ -18,6 +18,10 @@ from service.topology.inventory import Gpu, Inventory
 # Requests a worker must still take while a full batch waits: /healthz, /readyz,
 # /metrics and /info must answer even then.
 PROBE_HEADROOM = 8
+# Connections a gevent worker accepts beyond its batch and queue, at least: under
+# overload it must accept a connection to refuse its request in a millisecond; one
+# left in the listen backlog waits there unseen by the latency budget.
+SHED_HEADROOM = 1000
 # A worker must be up within this: importing torch and building the app. The
 # model loads afterwards in a thread of its own, outside the heartbeat.
 BOOT_TIMEOUT_S = 60
@@ -354,15 +358,16 @@ def _concurrency(
         return 1, None
     if settings.worker_class == "gevent":
         # A greenlet per open connection, idle keep-alive ones included, and greenlets are
-        # cheap: admit a running batch plus a full queue, so an overloaded worker answers
-        # its own 503 instead of leaving connections unaccepted.
-        connections = (
-            settings.worker_connections or settings.max_batch_size + settings.queue_limit + PROBE_HEADROOM
+        # cheap: admit a running batch, a full queue and the requests it is refusing, so
+        # an overloaded worker answers its own 503 instead of leaving connections unaccepted.
+        connections = settings.worker_connections or (
+            settings.max_batch_size + settings.queue_limit + PROBE_HEADROOM + SHED_HEADROOM
         )
         why = (
             "SERVE_WORKER_CONNECTIONS"
             if settings.worker_connections
-            else f"max batch size {settings.max_batch_size} + max queue {settings.queue_limit} + 8 for probes"
+            else f"max batch size {settings.max_batch_size} + max queue {settings.queue_limit} "
+            f"+ 8 for probes + {SHED_HEADROOM} to refuse under overload"
         )
         decisions.append(Decision("connections per worker", str(connections), why))
         if connections < full:

@@ -90,6 +90,7 @@ def test_a_frozen_worker_does_not_stop_the_other_from_accepting() -> None:
 
 def test_balancing_can_be_turned_off() -> None:
     with gunicorn({**TWO_WORKERS, "SERVE_BALANCE_CONNECTIONS": "off"}) as server:
-        assert "Using worker: gthread" in server.log()
+        # The same worker class, which also stamps arrivals; it gets no Balance.
+        assert "Using worker: service.host.worker.BalancedThreadWorker" in server.log()
         with connections(server, 4) as opened:
             assert sum(holders(opened).values()) == 4

@@ -73,6 +73,8 @@ def test_forwarding_headers_request_id_and_error_pages() -> None:
     assert directive(text, "proxy_set_header X-Forwarded-For") == ["$proxy_add_x_forwarded_for"]
     assert directive(text, "proxy_set_header X-Forwarded-Proto") == ["$scheme"]
     assert directive(text, "proxy_set_header X-Request-ID") == ["$serve_request_id"]
+    # In the form service.http.arrival reads, replacing any a client sent.
+    assert directive(text, "proxy_set_header X-Request-Start") == ['"t=${msec}"']
     assert directive(text, "server_tokens") == ["off"]
     assert directive(text, "allow") == ["10.9.0.0/16", "127.0.0.1"]
     for status in (413, 502, 503, 504):

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from service.errors import SettingsError
@@ -39,6 +41,21 @@ def test_the_stall_limit_follows_the_request_timeout_unless_set() -> None:
     assert Settings.from_env({"SERVE_STALL_TIMEOUT_MS": "1500"}).stall_limit_s == 1.5
     with pytest.raises(SettingsError, match="SERVE_STALL_TIMEOUT_MS must be an integer from 100 to"):
         Settings.from_env({"SERVE_STALL_TIMEOUT_MS": "50"})
+
+
+def test_the_latency_budget_follows_the_request_timeout_unless_set() -> None:
+    assert Settings().latency_budget_s == 2.0  # a fifteenth of the default 30 s
+    assert Settings(request_timeout_ms=3000).latency_budget_s == 0.5  # at least half a second
+    assert Settings(request_timeout_ms=400).latency_budget_s == 0.4  # never past the timeout
+    assert Settings.from_env({"SERVE_LATENCY_BUDGET_MS": "1500"}).latency_budget_s == 1.5
+    assert Settings.from_env({"SERVE_LATENCY_BUDGET_MS": "0"}).latency_budget_s == math.inf  # off
+    with pytest.raises(SettingsError, match="SERVE_LATENCY_BUDGET_MS must be an integer from 0 to"):
+        Settings.from_env({"SERVE_LATENCY_BUDGET_MS": "2s"})
+    with pytest.raises(
+        SettingsError,
+        match=r"SERVE_LATENCY_BUDGET_MS must not exceed SERVE_REQUEST_TIMEOUT_MS \(1000\), got 2000",
+    ):
+        Settings.from_env({"SERVE_LATENCY_BUDGET_MS": "2000", "SERVE_REQUEST_TIMEOUT_MS": "1000"})
 
 
 @pytest.mark.parametrize(("value", "expected"), [("on", True), ("1", True), ("OFF", False), ("no", False)])

@@ -204,7 +204,7 @@ def test_gthread_threads_cover_a_full_batch_and_the_probes() -> None:
 
 def test_gevent_connections_cover_a_running_batch_a_full_queue_and_the_probes() -> None:
     p = env_plan(TWO_CORES, SERVE_WORKER_CLASS="gevent")
-    assert p.worker_connections == 64 + 256 + 8
+    assert p.worker_connections == 64 + 256 + 8 + 1000  # and room to refuse under overload
     assert (
         env_plan(TWO_CORES, SERVE_WORKER_CLASS="gevent", SERVE_WORKER_CONNECTIONS="100").worker_connections
         == 100

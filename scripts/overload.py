@@ -1,0 +1,179 @@
+"""The overload table: open-loop load at multiples of the measured capacity, per worker class.
+
+    .venv/bin/python scripts/overload.py --worker-class gthread --multiples 2 5 --seconds 30
+    .venv/bin/python scripts/overload.py --worker-class gevent --multiples 2 5 --seconds 30
+    .venv/bin/python scripts/overload.py --refusal-cost
+
+For each worker class it starts the service (its own gunicorn on 127.0.0.1, the
+``SERVE_*`` settings in the environment, default model: all-MiniLM-L6-v2),
+measures capacity with 32 closed-loop clients sending lines of
+scripts/corpus/mixed.txt, and a lone request's latency; then, for each multiple,
+offers that many times the capacity on a Poisson schedule (scripts/openloop.py)
+and reports goodput, answers by status, accepted latency from the scheduled
+send, how long the backlog took to drain after the last send, and /readyz and
+a lone request's latency right after. Rows print as a Markdown table.
+
+``--refusal-cost`` measures the worker CPU one refusal costs: requests whose
+``X-Request-Start`` says they already waited past the budget, at a fixed rate
+against one worker, beside the CPU one served request costs at capacity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scripts import openloop  # noqa: E402
+from scripts.launcher import Service, serve  # noqa: E402
+from scripts.procs import children  # noqa: E402
+
+# Closed-loop clients for capacity: enough to fill batches, few enough that the
+# queue they keep stays within the latency budget (more are refused, and a
+# refused closed-loop client asks again at once).
+CLIENTS = 32
+LONE_TEXT = "A man is eating food while the children play outside in the garden."
+
+
+def lone_latency_ms(server: Service, tries: int = 5) -> float:
+    """Median latency of ``tries`` requests sent one after another on one connection."""
+    body = json.dumps({"inputs": [LONE_TEXT]}).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    took = []
+    try:
+        for _ in range(tries):
+            started = time.monotonic()
+            conn.request("POST", "/predict/batched", body=body, headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            response.read()
+            if response.status == 200:
+                took.append(time.monotonic() - started)
+    finally:
+        conn.close()
+    return round(1000 * statistics.median(took), 1) if took else float("nan")
+
+
+def readyz(server: Service) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        conn.request("GET", "/readyz")
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    finally:
+        conn.close()
+
+
+def table(worker_class: str, multiples: list[float], seconds: float) -> list[dict[str, Any]]:
+    env = dict(os.environ, SERVE_WORKER_CLASS=worker_class)
+    requests = openloop.corpus_requests("/predict/batched")
+    rows = []
+    with serve(env, ready_timeout=300, all_workers=True) as server:
+        url = server.url + "/predict/batched"
+        before = lone_latency_ms(server)
+        capacity = openloop.closed_loop(url, requests, clients=CLIENTS, seconds=min(20.0, seconds))
+        print(f"overload: {worker_class}: capacity {capacity:.0f} req/s", file=sys.stderr)
+        for multiple in multiples:
+            time.sleep(2)  # let the previous run's connections close
+            summary = openloop.run(url, requests, multiple * capacity, seconds).summary()
+            rows.append(
+                {
+                    "worker_class": worker_class,
+                    "capacity_rps": round(capacity, 1),
+                    "multiple": multiple,
+                    **summary,
+                    "readyz_after": readyz(server),
+                    "lone_ms_before": before,
+                    "lone_ms_after": lone_latency_ms(server),
+                }
+            )
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| offered | capacity | goodput | 200 | 503 | other | accepted p50 | accepted p99 "
+        "| drained after | /readyz after | lone request before → after |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        status = dict(r["by_status"])
+        ok, refused = status.pop("200", 0), status.pop("503", 0)
+        other = ", ".join(f"{k}: {v}" for k, v in status.items()) or "none"
+        lines.append(
+            f"| {r['multiple']:g}x capacity, {r['worker_class']} ({r['offered_rps']:.0f} req/s) "
+            f"| {r['capacity_rps']:.0f} req/s | {r['goodput_rps']:.0f} req/s "
+            f"({r['goodput_rps'] / r['capacity_rps']:.2f}x) | {ok} | {refused} | {other} "
+            f"| {r['accepted_ms']['p50'] / 1000:.2f} s | {r['accepted_ms']['p99'] / 1000:.2f} s "
+            f"| {r['drain_s']:.2f} s | {r['readyz_after']} "
+            f"| {r['lone_ms_before']:.0f} → {r['lone_ms_after']:.0f} ms |"
+        )
+    return "\n".join(lines)
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def refusal_cost(rate: float, seconds: float) -> dict[str, Any]:
+    """Worker CPU per refused request, and per served one at capacity, on one worker."""
+    env = dict(os.environ, SERVE_WORKERS="1")
+    requests = openloop.corpus_requests("/predict/batched")
+    with serve(env, ready_timeout=300, all_workers=True) as server:
+        [worker] = children(server.process.pid)
+        url = server.url + "/predict/batched"
+        # As nginx would stamp a request that waited 300 s: past any budget, and
+        # within what the service trusts (service.http.arrival, 600 s) for the whole run.
+        stale = (("X-Request-Start", f"t={time.time() - 300:.3f}"),)
+        cpu = _cpu_s(worker)
+        refused = openloop.run(url, requests, rate, seconds, headers=stale)
+        refused_cpu = _cpu_s(worker) - cpu
+        n_refused = refused.by_status().get("503", 0)
+        cpu = _cpu_s(worker)
+        started = time.monotonic()
+        # Few clients: one worker, and none of them refused, so that only served requests count.
+        capacity = openloop.closed_loop(url, requests, clients=8, seconds=seconds)
+        served_cpu = _cpu_s(worker) - cpu
+        n_served = capacity * (time.monotonic() - started)
+    return {
+        "refused": n_refused,
+        "refused_statuses": refused.by_status(),
+        "refusal_cpu_ms": round(1000 * refused_cpu / max(n_refused, 1), 3),
+        "refused_latency_ms": refused.summary()["refused_ms"],
+        "served_rps": round(capacity, 1),
+        "served_cpu_ms": round(1000 * served_cpu / max(n_served, 1), 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker-class", choices=("gthread", "gevent", "sync"), default="gthread")
+    parser.add_argument("--multiples", type=float, nargs="+", default=[2.0, 5.0])
+    parser.add_argument("--seconds", type=float, default=30, help="seconds of load per row (default 30)")
+    parser.add_argument("--refusal-cost", action="store_true", help="instead: what one refusal costs")
+    parser.add_argument("--rate", type=float, default=500, help="refusals a second for --refusal-cost")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here as JSON")
+    args = parser.parse_args(argv)
+    if args.refusal_cost:
+        result: Any = refusal_cost(args.rate, args.seconds)
+        print(json.dumps(result, indent=2))
+    else:
+        result = table(args.worker_class, args.multiples, args.seconds)
+        print(markdown(result))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""When a request arrived, as the worker saw it or as a proxy in front vouches. Pure: no clock, no I/O.
+
+The latency budget counts from a request's arrival, not from when its handler
+began: under overload most of the wait is before the handler (nginx, the
+kernel's accept backlog, gthread's queue of connections waiting for a thread).
+The gthread worker (service.host.worker) stamps when it accepted the connection
+or saw it readable again; behind nginx, ``X-Request-Start: t=<unix seconds>``
+(deploy/nginx.conf) also covers the time in nginx and the backlog.
+
+Only this module and its callers know the environ key, so it imports nothing:
+the gunicorn master imports it through the worker class.
+"""
+
+from __future__ import annotations
+
+# The monotonic time the worker stamped, then the arrival the door settled on.
+ARRIVAL_ENVIRON_KEY = "serve.arrived"
+
+# A proxy's stamp implying a longer wait than this is a clock out of step (or
+# made up), not a request that waited: it is ignored rather than trusted to
+# refuse every request.
+MAX_PROXY_WAIT_S = 600.0
+
+
+def proxy_wait(header: str | None, now_unix: float) -> float:
+    """Seconds since the proxy's ``X-Request-Start``; 0 when absent or not sane.
+
+    Accepts nginx's ``t=1700000000.123`` (seconds) and the millisecond and
+    microsecond integers other proxies send. A client may send the header too,
+    but the door takes the larger of this and the worker's own wait, so a forged
+    value can only make its own request look older (and refused), never let it
+    skip ahead; a time in the future or absurdly far back counts as nothing.
+    """
+    if not header:
+        return 0.0
+    raw = header.strip().removeprefix("t=")
+    if len(raw) > 24:
+        return 0.0
+    try:
+        stamp = float(raw)
+    except ValueError:
+        return 0.0
+    if stamp > 1e14:  # microseconds
+        stamp /= 1e6
+    elif stamp > 1e11:  # milliseconds
+        stamp /= 1e3
+    waited = now_unix - stamp
+    # NaN fails the comparison and counts as nothing too.
+    if not 0.0 <= waited <= MAX_PROXY_WAIT_S:
+        return 0.0
+    return waited
+
+
+def settle_wait(worker_stamp: object, now: float, proxy_waited: float) -> float:
+    """Seconds the request has waited: the longer of the worker's and the proxy's view.
+
+    ``worker_stamp``: the worker's monotonic stamp from the environ (absent
+    outside the gthread worker, or garbage: then only the proxy's view counts).
+    """
+    own = now - worker_stamp if isinstance(worker_stamp, float) else 0.0
+    return max(0.0, own, proxy_waited)

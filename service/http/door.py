@@ -1,0 +1,95 @@
+# design:
+# - Door runs in every request thread (gthread) or greenlet (gevent) before
+#   Flask does. It reads the batcher's predicted wait (under the batcher's own
+#   lock) and updates one StandingQueue under a native lock held for a few
+#   operations, never across I/O, so greenlets and threads can share it.
+# - A refused request is answered here and never reaches Flask: no request
+#   context, no access line (at thousands a second the line would cost more than
+#   the refusal); the metrics count it as any other answer.
+
+"""Admission at the door: refuse, before any parsing, a request that cannot be answered in time.
+
+It wraps the Flask app (``app.wsgi_app``) and runs first, in the request's own
+thread or greenlet, before Flask builds a request context, before the token
+check and before the body is read, so a refusal costs a few dictionary lookups
+and a short write. For the predict routes it
+
+- settles when the request arrived (service.http.arrival): the worker's stamp
+  or nginx's ``X-Request-Start``, whichever says it waited longer; the route
+  counts the request's deadline from then;
+- records that wait before the handler (``serve_http_wait_before_handler_seconds``);
+- refuses it with 503, ``Retry-After`` and a JSON error, counted under
+  ``over_budget``, when it already waited past SERVE_LATENCY_BUDGET_MS, when
+  the work queued ahead of it (the batcher's predicted wait) would take it past
+  that budget, or when the wait before the handler has become a standing queue
+  and it waited past a tenth of the budget there (service.batching.admission).
+
+Other paths pass straight through. The batcher checks the budget again when
+the request is queued: many requests can pass the door together.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from service.batching import native
+from service.errors import Overloaded
+from service.http.access import REQUEST_ID_HEADER, request_id
+from service.http.arrival import ARRIVAL_ENVIRON_KEY, proxy_wait, settle_wait
+
+if TYPE_CHECKING:
+    from service.metrics import Metrics
+    from service.runtime import ModelRuntime
+
+WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+# path -> whether its requests queue in the batcher (and so wait for the work ahead).
+ADMITTED_ROUTES = {"/predict": True, "/predict/batched": True, "/predict/naive": False}
+
+
+class Door:
+    def __init__(self, app: WsgiApp, runtime: ModelRuntime, metrics: Metrics) -> None:
+        self._app = app
+        self._runtime = runtime
+        self._metrics = metrics
+        self._standing = runtime.admission.standing_queue()
+        self._lock = native.allocate_lock()  # guards _standing: every request thread updates it
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        queued = ADMITTED_ROUTES.get(path)
+        if queued is None or environ.get("REQUEST_METHOD") != "POST":
+            return self._app(environ, start_response)
+        now = time.monotonic()
+        waited = settle_wait(
+            environ.get(ARRIVAL_ENVIRON_KEY),
+            now,
+            proxy_wait(environ.get("HTTP_X_REQUEST_START"), time.time()),
+        )
+        environ[ARRIVAL_ENVIRON_KEY] = now - waited
+        self._metrics.observe_wait(waited)
+        batcher = self._runtime.batcher if queued else None
+        predicted = batcher.predicted_wait() if batcher is not None else 0.0
+        with self._lock:
+            standing = self._standing.standing(waited, now)
+        refusal = self._runtime.admission.decide(waited, predicted, standing)
+        if refusal is None:
+            return self._app(environ, start_response)
+        self._metrics.count_error(Overloaded(refusal.message, reason="over_budget"))
+        body = orjson.dumps({"error": refusal.message})
+        start_response(
+            "503 Service Unavailable",
+            [
+                ("Content-Type", "application/json"),
+                ("Content-Length", str(len(body))),
+                ("Retry-After", str(refusal.retry_after_s)),
+                (REQUEST_ID_HEADER, request_id(environ.get("HTTP_X_REQUEST_ID"))),
+            ],
+        )
+        # Counted with the other answers, so 503s add up in serve_http_requests_total.
+        self._metrics.observe_request(path, 503, time.monotonic() - now)
+        return [body]

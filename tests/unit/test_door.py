@@ -1,0 +1,54 @@
+"""Admission at the door, in process: a request that waited past its budget gets a cheap 503."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from flask.testing import FlaskClient
+
+from service.settings import Settings
+from tests.conftest import SMALL_MLP
+
+BODY = {"inputs": [[0.0] * 16]}
+
+
+def test_a_request_that_waited_past_its_budget_gets_503_with_retry_after(
+    make_client: Callable[[Settings], FlaskClient],
+) -> None:
+    client = make_client(SMALL_MLP.replace(latency_budget_ms=1000))
+    stale = f"t={time.time() - 2:.3f}"  # as nginx stamps it: it waited 2 s before reaching the worker
+    for path in ("/predict", "/predict/batched", "/predict/naive"):
+        response = client.post(path, json=BODY, headers={"X-Request-Start": stale, "X-Request-ID": "abc-1"})
+        assert response.status_code == 503, response.text
+        assert response.headers["Retry-After"] == "1"
+        assert response.headers["X-Request-ID"] == "abc-1"
+        assert "past the 1000 ms it may wait" in response.json["error"]
+    metrics = client.get("/metrics").text
+    assert 'serve_rejected_requests_total{reason="over_budget"} 3.0' in metrics
+    assert 'serve_http_requests_total{code="503",route="/predict/batched"} 1.0' in metrics
+    assert "serve_http_wait_before_handler_seconds_count 3.0" in metrics
+
+
+def test_refused_before_the_body_is_even_parsed(make_client: Callable[[Settings], FlaskClient]) -> None:
+    client = make_client(SMALL_MLP.replace(latency_budget_ms=1000))
+    response = client.post(
+        "/predict/batched",
+        data=b"{not json",
+        headers={"Content-Type": "application/json", "X-Request-Start": f"t={time.time() - 5:.3f}"},
+    )
+    assert response.status_code == 503
+
+
+def test_a_fresh_request_and_a_forged_future_stamp_are_served(client: FlaskClient) -> None:
+    for stamp in (f"t={time.time():.3f}", f"t={time.time() + 3600:.3f}", "t=garbage"):
+        response = client.post("/predict/batched", json=BODY, headers={"X-Request-Start": stamp})
+        assert response.status_code == 200, response.text
+
+
+def test_other_paths_pass_the_door_untouched(make_client: Callable[[Settings], FlaskClient]) -> None:
+    client = make_client(SMALL_MLP.replace(latency_budget_ms=1000))
+    stale = {"X-Request-Start": f"t={time.time() - 5:.3f}"}
+    assert client.get("/readyz", headers=stale).status_code == 200
+    assert client.get("/predict/batched", headers=stale).status_code == 405
+    assert client.get("/info").json["limits"]["latency_budget_ms"] == 1000

@@ -1,0 +1,35 @@
+"""The gthread worker's stamp: each request's arrival reaches the environ; the app stays reachable."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from service.host.worker import _Stamped
+from service.http.arrival import ARRIVAL_ENVIRON_KEY
+
+
+class _App:
+    def __init__(self) -> None:
+        self.extensions = {"serve": "the runtime"}
+        self.environ: dict[str, Any] = {}
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        self.environ = environ
+        return [b"ok"]
+
+
+def test_the_stamp_of_the_thread_reaches_the_environ() -> None:
+    app, arrivals = _App(), threading.local()
+    stamped = _Stamped(app, arrivals)
+    arrivals.at = 123.5
+    assert stamped({}, lambda *a: None) == [b"ok"]
+    assert app.environ[ARRIVAL_ENVIRON_KEY] == 123.5
+    arrivals.at = None
+    stamped({}, lambda *a: None)
+    assert ARRIVAL_ENVIRON_KEY not in app.environ
+
+
+def test_the_hooks_still_find_the_apps_extensions() -> None:
+    # service.host.lifecycle reaches the runtime through worker.wsgi.extensions.
+    assert _Stamped(_App(), threading.local()).extensions == {"serve": "the runtime"}
