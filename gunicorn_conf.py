@@ -40,6 +40,9 @@ if worker_class == "gthread":
     # SERVE_BALANCE_CONNECTIONS on, accepts only its share of the connections
     # (service.host.balance).
     worker_class = "service.host.worker.BalancedThreadWorker"
+elif worker_class == "gevent":
+    # gevent with subprocess left native, so the model can load in its own thread.
+    worker_class = "service.host.gevent_worker.GeventWorker"
 workers = len(plan.workers)
 threads = plan.threads
 if plan.worker_connections is not None:

@@ -112,3 +112,17 @@ def test_a_model_that_cannot_exist_stops_the_master_before_any_worker(
     assert code == 1
     assert all(fragment in log for fragment in fragments), log
     assert "Booting worker" not in log
+
+
+def test_a_gevent_worker_loads_a_model_that_starts_a_process_while_loading() -> None:
+    # The model loads in a native thread; gevent's own subprocess works only on the main hub.
+    env = {
+        "SERVE_WORKER_CLASS": "gevent",
+        "SERVE_WORKERS": "1",
+        "SERVE_MODEL": "tests.support.models:spawning",
+    }
+    with gunicorn(env) as server:
+        response = server.post("/predict/batched", json={"inputs": ["four"]})
+        assert response.status_code == 200, response.text
+        assert response.json()["outputs"] == [[4.0]]
+        assert "Using worker: service.host.gevent_worker.GeventWorker" in server.log()

@@ -46,8 +46,11 @@ def test_both_routes_answer_correctly(mlp_server: tuple[str, Server]) -> None:
         np.testing.assert_allclose(response.json()["outputs"], expected, atol=1e-5)
     info = server.get("/info").json()
     assert (info["slot"], info["device"], info["torch_threads"]) == (0, "cpu", len(os.sched_getaffinity(0)))
-    # gthread runs as its subclass that balances connections between workers.
-    gunicorn_class = {"gthread": "service.host.worker.BalancedThreadWorker"}.get(worker_class, worker_class)
+    # gthread runs as its subclass that balances connections, gevent as one that keeps subprocess native.
+    gunicorn_class = {
+        "gthread": "service.host.worker.BalancedThreadWorker",
+        "gevent": "service.host.gevent_worker.GeventWorker",
+    }.get(worker_class, worker_class)
     assert f"Using worker: {gunicorn_class}" in server.log()
     assert "Worker topology: 1 " in server.log()
 

@@ -7,6 +7,7 @@ the batches it saw and can be told to fail on a marked item.
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 from pathlib import Path
 from typing import Any
@@ -261,6 +262,12 @@ def quirky() -> QuirkyModel:
 
 # Where unloadable() pretends its weights are: a path that must stay out of client answers.
 SECRET_PATH = "/srv/private/weights-7f3a.bin"
+
+
+def spawning() -> EchoModel:
+    """A factory that starts a process while it loads, as ctypes.util.find_library does."""
+    subprocess.run(["true"], check=True)
+    return EchoModel()
 
 
 def unloadable() -> EchoModel:

@@ -53,7 +53,11 @@ def environ(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
 def test_the_config_reads_the_plan(environ: dict[str, str]) -> None:
     environ.update({"SERVE_WORKERS": "3", "SERVE_MAX_BATCH_SIZE": "16", "SERVE_WORKER_CLASS": "gevent"})
     conf = runpy.run_path(CONF)
-    assert (conf["workers"], conf["worker_class"], conf["worker_connections"]) == (3, "gevent", 16 + 64 + 8)
+    assert (conf["workers"], conf["worker_class"], conf["worker_connections"]) == (
+        3,
+        "service.host.gevent_worker.GeventWorker",
+        16 + 64 + 8 + 1000,
+    )
     assert conf["preload_app"] is False
     assert conf["control_socket_disable"] is True
     assert (conf["timeout"], conf["graceful_timeout"]) == (60, 35)
