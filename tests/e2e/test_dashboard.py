@@ -9,6 +9,7 @@ Screenshots go to test-artifacts/dashboard/ (ignored by git), also when the test
 from __future__ import annotations
 
 import contextlib
+import csv
 import os
 import re
 import subprocess
@@ -126,7 +127,11 @@ def test_step_shape_through_the_ui_shows_both_routes_and_the_batching(artifacts:
             assert "/info" not in stats, "GET /info is a probe, not load"
             for route in ROUTES:
                 assert int(stats[route]["# Requests"]) > 0, stats[route]
-                assert int(stats[route]["# Fails"]) == 0, stats[route]
+            assert int(stats["/predict/batched"]["# Fails"]) == 0, stats["/predict/batched"]
+            # The naive route may shed at 64 users: its requests wait for a thread past a tenth
+            # of the latency budget (a standing queue) and get 503. Any other failure is a bug.
+            shed = int(batching_figures(url, "whole run", "/predict/naive")["Shed (503)"])
+            assert int(stats["/predict/naive"]["# Fails"]) == shed, (stats["/predict/naive"], shed)
 
             open_tab(browser, "Batching")
             browser.set_window_size(1400, 1400)  # every step's rows in one screenshot
@@ -138,7 +143,7 @@ def test_step_shape_through_the_ui_shows_both_routes_and_the_batching(artifacts:
             for route in ROUTES:
                 whole = by_step[("whole run", route)]
                 assert int(whole["Requests"]) > 0, whole
-                assert int(whole["Shed (503)"]) == 0, whole
+            assert int(by_step[("whole run", "/predict/batched")]["Shed (503)"]) == 0
             assert int(by_step[(f"{STEPS[-1]} NaiveUser", "/predict/naive")]["Requests"]) > 0
             busiest = by_step[(f"{STEPS[-1]} BatchedUser", "batcher (all batched routes)")]
             assert float(busiest["Mean batch size"]) > 1, busiest
@@ -159,6 +164,13 @@ def test_step_shape_through_the_ui_shows_both_routes_and_the_batching(artifacts:
                     requests.get(url + "/stats/requests", timeout=10).text
                 )
             raise
+
+
+def batching_figures(url: str, users: str, route: str) -> dict[str, str]:
+    """One row of the Batching tab's figures, from its CSV download."""
+    lines = requests.get(url + "/batching/csv", timeout=30).text.splitlines()
+    rows = list(csv.DictReader(lines))
+    return next(row for row in rows if row["Users"] == users and row["Route"] == route)
 
 
 def _rows_named(
