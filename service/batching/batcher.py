@@ -421,19 +421,14 @@ class Batcher:
     def _predict_and_deliver(self, live: list[Pending]) -> None:
         items = [item for pending in live for item in pending.items]
         started = time.monotonic()
-        try:
-            outputs = self._predict(items)
-            check_count(outputs, len(items))
-        except BaseException as exc:
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            error = client_error(exc, len(items))
-            if len(live) == 1 or isinstance(error, Overloaded):
+        outputs = self._call(items)
+        if isinstance(outputs, ServeError):
+            if len(live) == 1 or isinstance(outputs, Overloaded):
                 for pending in live:
                     pending.batch_size = len(items)
-                    _fail(pending.future, error)
+                    _fail(pending.future, outputs)
                 return
-            log.warning("batch of %d requests failed (%s); re-running them one by one", len(live), exc)
+            log.warning("batch of %d requests failed; re-running them one by one", len(live))
             for pending in live:
                 self._predict_and_deliver([pending])
             return
@@ -459,6 +454,17 @@ class Batcher:
             else:
                 _deliver(pending.future, result)
             start = end
+
+    def _call(self, items: list[Any]) -> Outputs | ServeError:
+        """The model's outputs for ``items``, or the error its callers are told (client_error logs why)."""
+        try:
+            outputs = self._predict(items)
+            check_count(outputs, len(items))
+        except BaseException as exc:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            return client_error(exc, len(items))
+        return outputs
 
     def _run_sorted(self, live: list[Pending]) -> None:
         """Run a batch of sized items as length-sorted sub-batches (see the design notes)."""
@@ -488,19 +494,14 @@ class Batcher:
         items = batch.items(entries)
         padded = len(entries) * max(size for size, _, _ in entries)
         started = time.monotonic()
-        try:
-            outputs = self._predict(items)
-            check_count(outputs, len(items))
-        except BaseException as exc:
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            error = client_error(exc, len(items))
-            if len(entries) == 1 or isinstance(error, Overloaded):
+        outputs = self._call(items)
+        if isinstance(outputs, ServeError):
+            if len(entries) == 1 or isinstance(outputs, Overloaded):
                 for r in {r for _, r, _ in entries}:
                     batch.failed.add(r)
-                    _fail(batch.live[r].future, error)
+                    _fail(batch.live[r].future, outputs)
                 return padded
-            log.warning("sub-batch of %d items failed (%s); re-running them one by one", len(entries), exc)
+            log.warning("sub-batch of %d items failed; re-running them one by one", len(entries))
             return sum(self._run_entries(batch, [e]) for e in entries if e[1] not in batch.failed)
         self.cost.observe(padded, time.monotonic() - started)
         for r in batch.store(entries, outputs):
