@@ -161,7 +161,7 @@ class Settings:
     # models that report item sizes: what bounds a call's activation memory.
     max_batch_tokens: int = 8192
     # Activation memory one padded token needs in one model call, in KiB, as
-    # scripts/tune.py measures it on a GPU; None: unknown, not checked.
+    # measured on the GPU (README, "Length-aware batches"); None: unknown, not checked.
     token_memory_kb: float | None = None
     max_items_per_request: int = 64
     max_body_bytes: int = 1 << 20

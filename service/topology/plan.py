@@ -244,7 +244,7 @@ def _check_token_budget(
                 "batch token budget",
                 f"{tokens} tokens",
                 "SERVE_MAX_BATCH_TOKENS; activation memory per token unknown (set SERVE_TOKEN_MEMORY_KB, "
-                "measured by scripts/tune.py on the GPU, to check it against each worker's share)",
+                "measured on the GPU, to check it against each worker's share)",
             )
         )
         return
