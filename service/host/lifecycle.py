@@ -61,7 +61,10 @@ def serve_when_loaded(worker: Any) -> None:
     runtime.on_fault = lambda reason: os.kill(os.getpid(), signal.SIGTERM)
     while worker.alive and not runtime.wait_loaded(timeout=1.0):
         worker.notify()
-    if runtime.load_error is not None:
+    # A worker told to stop while it loaded (the master is halting, e.g. because a
+    # sibling failed to boot) just stops: a second boot error, reaped while the
+    # master halts, would escape gunicorn's halt and turn its exit code 3 into 1.
+    if runtime.load_error is not None and worker.alive:
         from gunicorn.arbiter import Arbiter
 
         worker.log.error(
