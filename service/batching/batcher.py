@@ -432,16 +432,7 @@ class Batcher:
             for pending in live:
                 self._predict_and_deliver([pending])
             return
-        elapsed = time.monotonic() - started
-        # Smoothed so one slow batch does not stretch the next gathering window much.
-        self._model_time_s = elapsed if self._model_time_s == 0 else 0.8 * self._model_time_s + 0.2 * elapsed
-        notify(
-            self._observer.on_batch,
-            len(items),
-            len(live),
-            [started - pending.enqueued_at for pending in live],
-            elapsed,
-        )
+        self._batch_ran(live, len(items), started)
         start = 0
         for pending in live:
             end = start + len(pending.items)
@@ -481,13 +472,17 @@ class Batcher:
             entries = [e for e in batch.order[start:end] if e[1] not in batch.failed]
             if entries:
                 padded += self._run_entries(batch, entries)
-        elapsed = time.monotonic() - started
-        self._model_time_s = elapsed if self._model_time_s == 0 else 0.8 * self._model_time_s + 0.2 * elapsed
-        total = len(batch.order)
+        self._batch_ran(live, len(batch.order), started)
         for pending in live:
-            pending.batch_size = total
-        notify(self._observer.on_batch, total, len(live), [started - p.enqueued_at for p in live], elapsed)
+            pending.batch_size = len(batch.order)
         notify(self._observer.on_sub_batches, sum(sizes), padded, len(ranges))
+
+    def _batch_ran(self, live: list[Pending], items: int, started: float) -> None:
+        """Record a batch that ran from ``started``: the model time gathering expects, and the metrics."""
+        elapsed = time.monotonic() - started
+        # Smoothed so one slow batch does not stretch the next gathering window much.
+        self._model_time_s = elapsed if self._model_time_s == 0 else 0.8 * self._model_time_s + 0.2 * elapsed
+        notify(self._observer.on_batch, items, len(live), [started - p.enqueued_at for p in live], elapsed)
 
     def _run_entries(self, batch: _Assembly, entries: list[tuple[int, int, int]]) -> int:
         """One model call on ``entries``; answers the requests it completes. Returns its padded tokens."""
