@@ -11,6 +11,12 @@
 # - A model that failed to load ends the worker with gunicorn's boot error code
 #   (Arbiter.WORKER_BOOT_ERROR); the master then stops the whole service rather
 #   than start workers that fail the same way forever.
+# - Only one worker reports that error. gunicorn's master halts on the first,
+#   and reaps the other workers inside its stop(): a second boot error reaped
+#   there escapes halt(), so the service exits 1 instead of 3 and the log loses
+#   its "Reason:" line. Every worker fails alike, so the first to fail claims
+#   the report (a flag in shared memory, made in the master before the fork);
+#   the others wait for the halting master's SIGTERM and just stop.
 # - A batch-thread fault is reported from the watchdog's thread; the hook sends
 #   SIGTERM to its own process, so the worker leaves through gunicorn's graceful
 #   path (stop accepting, finish what is in flight) and the master replaces it.
@@ -19,13 +25,28 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from service.runtime import ModelRuntime
+
+
+# Imported by gunicorn_conf.py in the master, so every worker forks with the same flag.
+_boot_error_reported = multiprocessing.Value("b", 0)
+_SIBLING_POLL_S = 0.1
+
+
+def _claim_boot_error() -> bool:
+    """True for the first worker of this master to fail to boot, False for the rest."""
+    with _boot_error_reported.get_lock():
+        first = not _boot_error_reported.value
+        _boot_error_reported.value = 1
+    return first
 
 
 def runtime_of(worker: Any) -> ModelRuntime | None:
@@ -62,15 +83,30 @@ def serve_when_loaded(worker: Any) -> None:
     while worker.alive and not runtime.wait_loaded(timeout=1.0):
         worker.notify()
     # A worker told to stop while it loaded (the master is halting, e.g. because a
-    # sibling failed to boot) just stops: a second boot error, reaped while the
-    # master halts, would escape gunicorn's halt and turn its exit code 3 into 1.
-    if runtime.load_error is not None and worker.alive:
-        from gunicorn.arbiter import Arbiter
-
+    # sibling failed to boot) just stops.
+    if runtime.load_error is None or not worker.alive:
+        return
+    if not _claim_boot_error():
         worker.log.error(
-            "Worker failed to boot: %s; stopping the service (pid: %s)", runtime.load_error, os.getpid()
+            "Worker failed to boot: %s; a sibling has reported it (pid: %s)", runtime.load_error, os.getpid()
         )
-        sys.exit(Arbiter.WORKER_BOOT_ERROR)
+        _wait_for_halt(worker)
+        if not worker.alive:
+            return
+    from gunicorn.arbiter import Arbiter
+
+    worker.log.error(
+        "Worker failed to boot: %s; stopping the service (pid: %s)", runtime.load_error, os.getpid()
+    )
+    sys.exit(Arbiter.WORKER_BOOT_ERROR)
+
+
+def _wait_for_halt(worker: Any) -> None:
+    """Beat the heartbeat until the halting master's SIGTERM, or its graceful timeout."""
+    deadline = time.monotonic() + worker.cfg.graceful_timeout
+    while worker.alive and time.monotonic() < deadline:
+        worker.notify()
+        time.sleep(_SIBLING_POLL_S)  # the SIGTERM handler clears worker.alive: nothing to block on
 
 
 def drain(worker: Any) -> None:
