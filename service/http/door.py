@@ -12,7 +12,8 @@
 It wraps the Flask app (``app.wsgi_app``) and runs first, in the request's own
 thread or greenlet, before Flask builds a request context, before the token
 check and before the body is read, so a refusal costs a few dictionary lookups
-and a short write. For the predict routes it
+and a short write (the body is read only after the answer is out, so that the
+connection can carry the client's next request). For the predict routes it
 
 - settles when the request arrived (service.http.arrival): the worker's stamp
   or nginx's ``X-Request-Start``, whichever says it waited longer; the route
@@ -30,8 +31,9 @@ the request is queued: many requests can pass the door together.
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -45,10 +47,13 @@ if TYPE_CHECKING:
     from service.metrics import Metrics
     from service.runtime import ModelRuntime
 
+log = logging.getLogger(__name__)
+
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 # path -> whether its requests queue in the batcher (and so wait for the work ahead).
 ADMITTED_ROUTES = {"/predict": True, "/predict/batched": True, "/predict/naive": False}
+_DRAIN_CHUNK = 64 << 10
 
 
 class Door:
@@ -92,4 +97,34 @@ class Door:
         )
         # Counted with the other answers, so 503s add up in serve_http_requests_total.
         self._metrics.observe_request(path, 503, time.monotonic() - now)
-        return [body]
+        return _Refusal(body, environ.get("wsgi.input"), self._runtime.settings.max_body_bytes)
+
+
+class _Refusal:
+    """A refusal's body; closed once the answer is out, it reads the request body left unread.
+
+    The door answers before reading the body, and the server must skip that body
+    to read the next request on the connection. gunicorn skips at most 64 KiB,
+    then closes a connection it has already announced as keep-alive, and the
+    client's next request on it fails. So the rest is read here, after the answer
+    is written, up to the largest body the service accepts: past that the body
+    would be refused anyway (413), and the server may close the connection.
+    """
+
+    def __init__(self, body: bytes, stream: Any, limit: int) -> None:
+        self._body = body
+        self._stream = stream
+        self._limit = limit
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield self._body
+
+    def close(self) -> None:
+        if self._stream is None:
+            return
+        left = self._limit + 1
+        try:
+            while left > 0 and (chunk := self._stream.read(min(_DRAIN_CHUNK, left))):
+                left -= len(chunk)
+        except Exception:  # a client gone, or a malformed chunk: the server closes the connection
+            log.debug("the refused request's body could not be read to its end", exc_info=True)
