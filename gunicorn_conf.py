@@ -103,6 +103,11 @@ def post_worker_init(worker):
     lifecycle.serve_when_loaded(worker)
 
 
+def pre_request(worker, req):
+    # In the worker's request thread: a body that will be refused unread closes its connection.
+    lifecycle.close_after_oversized_body(req, settings.max_body_bytes)
+
+
 def worker_exit(server, worker):
     # In the worker, once it has stopped accepting and its requests are answered.
     lifecycle.drain(worker)

@@ -20,6 +20,9 @@
 # - A batch-thread fault is reported from the watchdog's thread; the hook sends
 #   SIGTERM to its own process, so the worker leaves through gunicorn's graceful
 #   path (stop accepting, finish what is in flight) and the master replaces it.
+# - pre_request marks a request whose declared body is over the limit to close
+#   its connection: the app refuses it unread (413), and gunicorn skips at most
+#   64 KiB of an unread body, then closes a connection it announced as keep-alive.
 # - worker_exit drains the batcher: every queued request is answered before the
 #   batch thread ends.
 
@@ -107,6 +110,18 @@ def _wait_for_halt(worker: Any) -> None:
     while worker.alive and time.monotonic() < deadline:
         worker.notify()
         time.sleep(_SIBLING_POLL_S)  # the SIGTERM handler clears worker.alive: nothing to block on
+
+
+def close_after_oversized_body(req: Any, limit: int) -> None:
+    """``pre_request``: answer a request whose Content-Length is over ``limit`` with ``Connection: close``.
+
+    The app refuses such a body with 413 before reading it. Told the connection
+    closes, the client sends its next request on a new one, rather than on one
+    that gunicorn closes once it has given up skipping the body.
+    """
+    length = next((value for name, value in req.headers if name == "CONTENT-LENGTH"), "")
+    if length.isdigit() and int(length) > limit:
+        req.force_close()
 
 
 def drain(worker: Any) -> None:

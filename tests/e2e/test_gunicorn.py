@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -64,6 +65,24 @@ def test_error_cases_get_json_errors(minilm: Server, kwargs: dict[str, object], 
         assert response.status_code == status, response.text
         assert "error" in response.json()
         assert "Traceback" not in response.text
+
+
+def test_a_body_declared_over_the_limit_gets_413_and_a_closing_connection(minilm: Server) -> None:
+    # Refused unread: the answer says the connection closes, so the client does not
+    # send its next request on a connection the server is about to drop.
+    declared = (2 << 20) + 1
+    with socket.create_connection(("127.0.0.1", minilm.port), timeout=30) as sock:
+        sock.sendall(
+            b"POST /predict HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % declared + b'{"inputs": ["'
+        )
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), head
+    assert b"connection: close" in head.lower(), head
+    assert b"SERVE_MAX_BODY_BYTES" in body
 
 
 def test_concurrent_requests_are_batched_and_each_gets_its_own_outputs(minilm: Server) -> None:
