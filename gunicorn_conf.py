@@ -48,6 +48,12 @@ threads = plan.threads
 if plan.worker_connections is not None:
     worker_connections = plan.worker_connections
 timeout = plan.timeout_s
+# A worker's memory grows with the many tensor shapes of mixed-length batches
+# (docs/reliability.md, "Memory"); replacing it after SERVE_MAX_REQUESTS bounds
+# that. The jitter, a tenth, keeps the workers from being replaced together:
+# while one loads its model, the others serve.
+max_requests = settings.max_requests
+max_requests_jitter = settings.max_requests // 10
 graceful_timeout = plan.graceful_timeout_s
 # preload_app stays off: torch's OpenMP pool and CUDA do not survive a fork, so
 # each worker imports wsgi (and loads its model) after it is forked.

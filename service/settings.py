@@ -181,6 +181,8 @@ class Settings:
     worker_class: str = "gthread"
     worker_connections: int | None = None
     balance_connections: bool = True
+    # Requests after which gunicorn replaces a worker (0: never); see max_requests_jitter.
+    max_requests: int = 0
     devices: str = "auto"
     workers_per_device: int | None = None
     gpu_memory_per_worker_mb: int | None = None
@@ -285,6 +287,7 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "worker_class": ("SERVE_WORKER_CLASS", _choice(*WORKER_CLASSES)),
     "worker_connections": ("SERVE_WORKER_CONNECTIONS", _integer(1, 100_000)),
     "balance_connections": ("SERVE_BALANCE_CONNECTIONS", _switch),
+    "max_requests": ("SERVE_MAX_REQUESTS", _integer(0, 1 << 31)),
     "devices": ("SERVE_DEVICES", _devices),
     "workers_per_device": ("SERVE_WORKERS_PER_DEVICE", _integer(1, 256)),
     "gpu_memory_per_worker_mb": ("SERVE_GPU_MEMORY_PER_WORKER_MB", _integer(1, 16_777_216)),

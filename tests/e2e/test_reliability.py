@@ -209,6 +209,25 @@ def test_sighup_replaces_workers_without_a_failed_request() -> None:
         assert set(outcomes) == {200}, outcomes
 
 
+def test_workers_replaced_after_max_requests_fail_no_request() -> None:
+    # SERVE_MAX_REQUESTS=30, a tenth of jitter: each worker is replaced after 30 to 33
+    # requests, and its replacement takes 2 s to load its model.
+    env = {
+        **SCRIPTED,
+        "SERVE_MODEL": "tests.support.models:scripted_slow_start",
+        "SERVE_WORKERS": "2",
+        "SERVE_MAX_REQUESTS": "30",
+    }
+    with gunicorn(env) as server:
+        first = set(server.workers())
+        load = Load(server, clients=4, item="sleep:0.02")
+        eventually(lambda: not first & set(server.workers()), "both first workers were replaced")
+        load.wait_for(20)  # served by the replacements
+        outcomes = load.stop()
+        assert set(outcomes) == {200}, outcomes
+        assert server.log().count("Autorestarting worker after current request.") >= 2
+
+
 def test_sigkill_of_a_worker_fails_only_the_requests_it_held() -> None:
     with gunicorn({**SCRIPTED, "SERVE_WORKERS": "2"}) as server:
         load = Load(server, clients=8, item="sleep:0.2")
