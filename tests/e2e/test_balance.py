@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.e2e.test_metrics import TWO_MLP_WORKERS as TWO_WORKERS
+from tests.support.raw_http import read_response
 from tests.support.server import Server, gunicorn
 
 pytestmark = pytest.mark.e2e
@@ -29,17 +30,7 @@ class Connection:
 
     def pid(self) -> int:
         """The pid in the /info answer: which worker holds this connection."""
-        data = b""
-        while b"\r\n\r\n" not in data:
-            data += self.sock.recv(65536)
-        head, body = data.split(b"\r\n\r\n", 1)
-        length = next(
-            int(line.split(b":")[1])
-            for line in head.split(b"\r\n")
-            if line.lower().startswith(b"content-length")
-        )
-        while len(body) < length:
-            body += self.sock.recv(65536)
+        _, body = read_response(self.sock)
         return int(json.loads(body)["pid"])
 
     def close(self) -> None:

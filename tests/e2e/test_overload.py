@@ -21,6 +21,7 @@ import pytest
 import requests
 
 from scripts import openloop
+from tests.support.raw_http import read_response
 from tests.support.server import Server, gunicorn
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(120)]
@@ -83,20 +84,6 @@ def test_open_loop_overload_is_shed_with_503s_and_accepted_requests_keep_the_bud
         assert lone.elapsed.total_seconds() < BUDGET_MS / 1000
 
 
-def _answer(sock: socket.socket) -> bytes:
-    """One response's head and body, read off a keep-alive connection by its Content-Length."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"the server closed the connection instead of answering: {data!r}"
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = int(re.search(rb"(?im)^content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
-    while len(body) < length:
-        body += sock.recv(65536)
-    return head
-
-
 @pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
 def test_a_refused_request_with_a_large_body_leaves_its_connection_usable(worker_class: str) -> None:
     # The door refuses before reading the body. A body larger than what gunicorn
@@ -115,8 +102,9 @@ def test_a_refused_request_with_a_large_body_leaves_its_connection_usable(worker
                 % (time.time() - 30, len(body))
                 + body
             )
-            head = _answer(sock)
+            head, _ = read_response(sock)
             assert head.startswith(b"HTTP/1.1 503"), head
             assert b"connection: keep-alive" in head.lower(), head
         sock.sendall(b"GET /readyz HTTP/1.1\r\nHost: test\r\n\r\n")
-        assert _answer(sock).startswith(b"HTTP/1.1 200"), "the connection did not carry the next request"
+        head, _ = read_response(sock)
+        assert head.startswith(b"HTTP/1.1 200"), "the connection did not carry the next request"
