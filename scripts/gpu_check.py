@@ -135,8 +135,10 @@ def compare_workers(expected: Plan, seen: list[WorkerSeen], gpu_of_pid: Mapping[
         problems = []
         if worker.device != planned.device:
             problems.append(f"device {worker.device}, planned {planned.device}")
-        if worker.fraction is None or planned.gpu_memory_fraction is None:
-            problems.append(f"memory fraction {worker.fraction}, planned {planned.gpu_memory_fraction}")
+        if planned.gpu_memory_fraction is None:
+            problems.append("the plan puts this slot on the CPU, so there is no GPU share to check")
+        elif worker.fraction is None:
+            problems.append(f"no memory fraction, planned {planned.gpu_memory_fraction:.3f}")
         elif abs(worker.fraction - planned.gpu_memory_fraction) > FRACTION_TOLERANCE:
             problems.append(
                 f"memory fraction {worker.fraction:.3f}, planned {planned.gpu_memory_fraction:.3f}"

@@ -117,6 +117,14 @@ def test_a_missing_slot_and_a_cpu_worker_fail() -> None:
     assert checks[3] == Check("slot 3", False, "no worker answered for slot 3")
 
 
+def test_a_cpu_plan_has_no_share_to_check() -> None:
+    p = plan(Settings.from_env({"SERVE_WORKERS": "2"}), Inventory(affinity_cores=2))
+    seen = [WorkerSeen(1000 + w.slot, w.slot, "cpu", None) for w in p.workers]
+    checks = compare_workers(p, seen, {})
+    assert [c.ok for c in checks] == [False, False]
+    assert "on the CPU, so there is no GPU share" in checks[0].detail
+
+
 def test_pids_nvml_does_not_list_leave_the_uuids_unverified_not_failed() -> None:
     # In a container NVML lists the host's pids, which match no worker's.
     p = two_per_gpu()
