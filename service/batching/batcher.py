@@ -148,6 +148,9 @@ class BatchObserver:
     def on_model_loaded(self, device: str, seconds: float) -> None:
         pass
 
+    def on_model_info(self, name: str, task: str) -> None:
+        """The loaded model's name and task (service.models.base.task_of), from the loader thread."""
+
 
 class Batcher:
     def __init__(
