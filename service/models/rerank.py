@@ -63,14 +63,10 @@ class CrossEncoderModel:
             shown = f"a list of {len(item)}" if isinstance(item, list) else json_type(item)
             raise ValueError(f"expected a [query, document] pair of strings, got {shown}")
         query, document = item
-        try:
-            check_text(query, "query")
-        except ValueError as exc:
-            raise ValueError(f"query: {exc}") from None
-        try:
-            check_text(document, "document")
-        except ValueError as exc:
-            raise ValueError(f"document: {exc}") from None
+        for what, text in (("query", query), ("document", document)):
+            if not isinstance(text, str):
+                raise ValueError(f"the {what} must be a string, got {json_type(text)}")
+            check_text(text, f"the {what}")
         return encode(self._tokenizer, query, document, max_length=self._max_length)
 
     def item_size(self, item: Tokens) -> int:
