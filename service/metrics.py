@@ -150,6 +150,16 @@ class Metrics(BatchObserver):
             *_WORKER_LABELS,
             per_worker=True,
         )
+        # Which model the workers serve and its task: what a dashboard's panels are about.
+        self.model_info = _gauge(
+            r,
+            "serve_model_info",
+            "1 per live worker, labelled with the name and task of the model it serves.",
+            "slot",
+            "name",
+            "task",
+            per_worker=True,
+        )
         self.gpu_allocated = _gauge(
             r,
             "serve_gpu_memory_allocated_bytes",
@@ -223,6 +233,9 @@ class Metrics(BatchObserver):
         if device.startswith("cuda"):
             self._gpu = (device, label)
             self._record_gpu_memory()
+
+    def on_model_info(self, name: str, task: str) -> None:
+        self.model_info.labels(self.slot, name, task).set(1)
 
     def _record_gpu_memory(self) -> None:
         if self._gpu is None:

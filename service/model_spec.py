@@ -2,13 +2,17 @@
 
 Free of torch, numpy and the user's code, so that the gunicorn master can refuse
 a bad value before it forks a worker: numpy imported in the master would size
-its BLAS pool for every worker before their thread settings apply.
+its BLAS pool for every worker before their thread settings apply. A model
+directory is recognised here from its JSON files alone; service.models.registry
+then picks the module that serves its task, in the worker.
 """
 
 from __future__ import annotations
 
 import difflib
+import json
 from pathlib import Path
+from typing import Any
 
 from service.errors import SettingsError
 
@@ -16,11 +20,23 @@ BUILTIN = ("minilm", "mlp")
 # .pt2 is a torch.export program; the others are TorchScript.
 FILE_SUFFIXES = (".pt", ".pt2", ".pth", ".ts")
 
+# The tasks of the model directories this service recognises, and what on disk says so.
+DIRECTORY_TASKS = {
+    "embeddings": "a sentence-transformers directory (modules.json)",
+    "rerank": "a *ForSequenceClassification model with one label (a cross-encoder)",
+    "classification": "a *ForSequenceClassification model with several labels",
+    "fill-mask": "a *ForMaskedLM model",
+}
+# Any of these means the directory has a tokenizer that transformers can load offline.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt")
+
 
 def kind(spec: str) -> str:
-    """``minilm``, ``mlp``, ``file`` or ``factory``; raises SettingsError for none of them."""
+    """``minilm``, ``mlp``, ``directory``, ``file`` or ``factory``; raises SettingsError for none of them."""
     if spec in BUILTIN:
         return spec
+    if Path(spec).is_dir():
+        return "directory"
     if spec.endswith(FILE_SUFFIXES) or "/" in spec:
         return "file"
     if ":" in spec:
@@ -28,8 +44,8 @@ def kind(spec: str) -> str:
     close = difflib.get_close_matches(spec, BUILTIN, n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
     raise SettingsError(
-        f"SERVE_MODEL must be one of {', '.join(BUILTIN)}, a module:factory or a path to a "
-        f"{'/'.join(FILE_SUFFIXES)} file, got {spec!r}{hint}"
+        f"SERVE_MODEL must be one of {', '.join(BUILTIN)}, a module:factory, a model directory or a path "
+        f"to a {'/'.join(FILE_SUFFIXES)} file, got {spec!r}{hint}"
     )
 
 
@@ -37,8 +53,9 @@ def check_spec(spec: str) -> str:
     """The kind of model ``spec`` names, once it could name one; else a SettingsError.
 
     Refused: a name that is none of the kinds, a file that does not exist, a
-    factory that is not ``module:callable``. Whether a factory's module imports
-    is found out only in the workers, where its imports (torch, usually) belong.
+    directory whose task is not one this service serves, a factory that is not
+    ``module:callable``. Whether a factory's module imports is found out only in
+    the workers, where its imports (torch, usually) belong.
     """
     found = kind(spec)
     if found == "file":
@@ -46,6 +63,8 @@ def check_spec(spec: str) -> str:
         if not path.is_file():
             where = "" if path.is_absolute() else f" under {Path.cwd()}"
             raise SettingsError(f"SERVE_MODEL={spec!r}: no such file{where}")
+    elif found == "directory":
+        directory_task(Path(spec))
     elif found == "factory":
         module, _, attr = spec.partition(":")
         if not all(part.isidentifier() for part in module.split(".")) or not attr.isidentifier():
@@ -54,3 +73,65 @@ def check_spec(spec: str) -> str:
                 "such as mypackage.models:build"
             )
     return found
+
+
+def directory_task(path: Path) -> str:
+    """The task a Hugging Face model directory serves, from its files; SettingsError if none.
+
+    sentence-transformers' own files come first: a sentence-transformers
+    directory also holds a transformers config.json (of a bare encoder). A
+    cross-encoder saved by sentence-transformers says so in
+    config_sentence_transformers.json and is read from its config.json.
+    """
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise SettingsError(
+            f"SERVE_MODEL={str(path)!r}: the directory has no tokenizer (none of "
+            f"{', '.join(TOKENIZER_FILES)}); save the tokenizer beside the model (tokenizer.save_pretrained)"
+        )
+    st_config = _read_json(path, "config_sentence_transformers.json") or {}
+    if (path / "modules.json").is_file() and st_config.get("model_type") != "CrossEncoder":
+        return "embeddings"
+    config = _read_json(path, "config.json")
+    if config is None:
+        raise SettingsError(
+            f"SERVE_MODEL={str(path)!r}: the directory has neither modules.json nor config.json; "
+            f"{_supported()}"
+        )
+    architectures = config.get("architectures") or []
+    if not isinstance(architectures, list):
+        architectures = []
+    if any(str(name).endswith("ForSequenceClassification") for name in architectures):
+        return "rerank" if num_labels(config) == 1 else "classification"
+    if any(str(name).endswith("ForMaskedLM") for name in architectures):
+        return "fill-mask"
+    found = ", ".join(map(str, architectures)) or "no architectures"
+    raise SettingsError(
+        f"SERVE_MODEL={str(path)!r}: config.json names {found}, and there is no modules.json; {_supported()}"
+    )
+
+
+def num_labels(config: dict[str, Any]) -> int:
+    """How many labels a transformers config gives its classifier (transformers' default: 2)."""
+    labels = config.get("id2label")
+    if isinstance(labels, dict) and labels:
+        return len(labels)
+    count = config.get("num_labels")
+    return count if isinstance(count, int) and count > 0 else 2
+
+
+def _supported() -> str:
+    kinds = "; ".join(f"{what} for {task}" for task, what in DIRECTORY_TASKS.items())
+    return f"this service serves model directories of these kinds: {kinds}"
+
+
+def _read_json(path: Path, name: str) -> dict[str, Any] | None:
+    file = path / name
+    if not file.is_file():
+        return None
+    try:
+        document = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SettingsError(f"SERVE_MODEL={str(path)!r}: {name} cannot be read as JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise SettingsError(f"SERVE_MODEL={str(path)!r}: {name} is not a JSON object")
+    return document

@@ -39,7 +39,7 @@ from service.batching.subbatch import CostModel
 from service.batching.watchdog import Watchdog
 from service.errors import NotReady
 from service.models import Model, describe, load_model
-from service.models.base import Outputs, SizedModel, sample_item
+from service.models.base import Outputs, SizedModel, sample_item, task_of
 from service.outputs import check_outputs, client_error
 from service.settings import Settings
 
@@ -127,8 +127,10 @@ class ModelRuntime:
         batcher.start()
         self.model, self.batcher = model, batcher
         notify(self.observer.on_model_loaded, model.device, self.load_seconds)
+        notify(self.observer.on_model_info, model.name, task_of(model))
         Watchdog(batcher, limit_s=self.settings.stall_limit_s, on_fault=self._fault).start()
-        log.info("model %s loaded on %s in %.1f s", model.name, model.device, self.load_seconds)
+        task, seconds = task_of(model), self.load_seconds
+        log.info("model %s (%s) loaded on %s in %.1f s", model.name, task, model.device, seconds)
 
     def _fault(self, reason: str) -> None:
         """The batch thread died or stalled (called from the watchdog's thread)."""

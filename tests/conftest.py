@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from flask import Flask
@@ -36,3 +37,11 @@ def make_client() -> Iterator[Callable[[Settings], FlaskClient]]:
 @pytest.fixture
 def client(make_client: Callable[[Settings], FlaskClient]) -> FlaskClient:
     return make_client(SMALL_MLP)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Hugging Face model directories of every kind (tests.support.hf_dirs), built once per run."""
+    from tests.support.hf_dirs import build
+
+    return build(tmp_path_factory.mktemp("model-dirs"))

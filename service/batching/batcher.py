@@ -148,6 +148,9 @@ class BatchObserver:
     def on_model_loaded(self, device: str, seconds: float) -> None:
         pass
 
+    def on_model_info(self, name: str, task: str) -> None:
+        """The loaded model's name and task (service.models.base.task_of), from the loader thread."""
+
 
 class Batcher:
     def __init__(
@@ -466,6 +469,10 @@ class Batcher:
             ranges = [(0, len(sizes))]  # nothing measured yet: one call, as without sizes
         else:
             ranges = cut(sizes, estimate, max_tokens=self._max_tokens, max_rows=self._max_batch_size)
+        # Before any sub-batch runs: a request is answered as soon as its last
+        # sub-batch does, and its thread reads batch_size for X-Batch-Size then.
+        for pending in live:
+            pending.batch_size = len(batch.order)
         started = time.monotonic()
         padded = 0
         for start, end in ranges:
@@ -473,8 +480,6 @@ class Batcher:
             if entries:
                 padded += self._run_entries(batch, entries)
         self._batch_ran(live, len(batch.order), started)
-        for pending in live:
-            pending.batch_size = len(batch.order)
         notify(self._observer.on_sub_batches, sum(sizes), padded, len(ranges))
 
     def _batch_ran(self, live: list[Pending], items: int, started: float) -> None:

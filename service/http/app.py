@@ -8,7 +8,7 @@ from flask import Flask, Response, g
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from service.errors import Overloaded, ServeError, Unauthorized
-from service.http import access, openai_api, v2
+from service.http import access, openai_api, rerank, v2
 from service.http.door import Door
 from service.http.routes import bp
 from service.http.shapes import error_response
@@ -37,6 +37,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_blueprint(bp)
     # The standard protocols, each a thin translation to the same batched path.
     app.register_blueprint(v2.bp)
+    app.register_blueprint(rerank.bp)
     openai_api.init_app(app)
     _register_error_handlers(app, settings, metrics)
     runtime = ModelRuntime(settings, observer=metrics)

@@ -49,8 +49,8 @@ def json_response(document: object, status: int = 200) -> Response:
 def is_inference_path(path: str) -> bool:
     """Whether ``path`` runs the model: the routes that SERVE_API_TOKEN guards."""
     return (
-        path.startswith("/predict")
-        or path == "/v1/embeddings"
+        path.startswith(("/predict", "/rerank/"))
+        or path in ("/v1/embeddings", "/v1/rerank", "/v2/rerank")
         or (path.startswith("/v2/models/") and path.endswith("/infer"))
     )
 

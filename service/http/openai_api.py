@@ -24,7 +24,7 @@ from service.http import v2_codec
 from service.http.inference import json_response, run_batched, runtime, with_batch_size
 from service.http.payload import load_json, prepare_items, require_json
 from service.models import Model
-from service.models.base import SizedModel, json_type
+from service.models.base import EMBEDDINGS, GENERIC, RERANK, SizedModel, json_type, task_of
 
 bp = Blueprint("openai", __name__, url_prefix="/v1")
 
@@ -156,6 +156,15 @@ def _embedding_model() -> Model:
 
 
 def _check_embedding_model(model: Model) -> None:
+    task = task_of(model)
+    if task not in (EMBEDDINGS, GENERIC):
+        raise OpenAIError(
+            404,
+            f"model {model.name!r} serves {task}, not embeddings; the embeddings API serves a "
+            "sentence-transformers directory or another model that returns vectors. "
+            f"{'POST /v1/rerank' if task == RERANK else 'POST /predict'} serves this one",
+            code="model_not_found",
+        )
     shape = v2_codec.output_spec(model).shape
     if model.item_kind != "text" or (shape is not None and len(shape) != 2):
         raise OpenAIError(

@@ -85,7 +85,8 @@ def infer(name: str, version: str | None = None) -> Response:
         return v2_codec.items(infer_request, spec, model, runtime().settings.max_items_per_request)
 
     done = run_batched(parse)
-    body, header_length = v2_codec.encode_response(done.model.name, parsed[0], done.outputs)
+    outputs = v2_codec.tensor_outputs(done.model, done.outputs)
+    body, header_length = v2_codec.encode_response(done.model.name, parsed[0], outputs)
     if header_length is None:
         response = Response(body, mimetype="application/json")
     else:

@@ -8,9 +8,12 @@ data is little-endian float32 in row-major order; BYTES data is each element
 as a little-endian uint32 length followed by its bytes. Responses mirror this.
 
 The served model has one input and one output. A text model takes BYTES of
-shape [-1]; a vector or tensor model FP32 of shape [-1, *item_shape]. Every
-item still passes ``model.prepare`` (service.http.payload.prepare_items), so
-the checks and limits are those of /predict.
+shape [-1]; a rerank model BYTES of shape [-1, 2], a (query, document) row per
+item; a vector or tensor model FP32 of shape [-1, *item_shape]. Every item
+still passes ``model.prepare`` (service.http.payload.prepare_items), so the
+checks and limits are those of /predict. A classifier's or a fill-mask
+model's outputs are structured (labels and scores, fills): each comes back as
+one BYTES element holding the JSON that /predict gives for it.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import orjson
 
 from service.errors import BadRequest, ModelError
 from service.http.payload import check_count, load_json, prepare_items
-from service.models.base import Model, Outputs, json_type
+from service.models.base import CLASSIFICATION, FILL_MASK, Model, Outputs, json_type, task_of
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 INPUT_NAME = "input"
@@ -55,13 +58,21 @@ def input_spec(model: Model) -> TensorSpec | None:
     """The model's input tensor, or None for items of a kind the protocol cannot carry."""
     if model.item_kind == "text":
         return TensorSpec(INPUT_NAME, "BYTES", (-1,))
+    if model.item_kind == "text-pair":
+        return TensorSpec(INPUT_NAME, "BYTES", (-1, 2))
     if model.item_kind in ("vector", "tensor"):
         shape = (-1, *model.item_shape) if model.item_shape is not None else None
         return TensorSpec(INPUT_NAME, "FP32", shape)
     return None
 
 
+# Tasks whose outputs are JSON documents rather than numbers: one BYTES element each.
+STRUCTURED_TASKS = (CLASSIFICATION, FILL_MASK)
+
+
 def output_spec(model: Model) -> TensorSpec:
+    if task_of(model) in STRUCTURED_TASKS:
+        return TensorSpec(OUTPUT_NAME, "BYTES", (-1,))
     declared = getattr(model, "output_shape", None)
     if declared is not None:
         return TensorSpec(OUTPUT_NAME, "FP32", (-1, *declared))
@@ -174,6 +185,8 @@ def items(request: InferRequest, spec: TensorSpec, model: Model, max_items: int)
     count = math.prod(shape)
     if spec.datatype == "BYTES":
         values: list[Any] = _texts(request, count, where)
+        if len(shape) == 2:  # rows of texts: a rerank model's (query, document) pairs
+            values = [values[row * shape[1] : (row + 1) * shape[1]] for row in range(shape[0])]
     else:
         rows = _numbers(request, shape, count, where)
         values = [row.tolist() for row in rows]
@@ -269,6 +282,13 @@ def _numbers(request: InferRequest, shape: tuple[int, ...], count: int, where: s
         return np.asarray(data, dtype=np.float64).reshape(shape)
     except OverflowError:
         raise BadRequest(f"{where}: numbers must fit in float32") from None
+
+
+def tensor_outputs(model: Model, outputs: Outputs) -> Outputs:
+    """The outputs as the output tensor carries them: structured ones as their JSON text."""
+    if task_of(model) in STRUCTURED_TASKS:
+        return [orjson.dumps(output, option=orjson.OPT_SERIALIZE_NUMPY).decode() for output in outputs]
+    return outputs
 
 
 def encode_response(model_name: str, request: InferRequest, outputs: Outputs) -> tuple[bytes, int | None]:

@@ -1,4 +1,4 @@
-"""Model loading: ``SERVE_MODEL`` names a built-in model, a factory or a file."""
+"""Model loading: ``SERVE_MODEL`` names a built-in model, a model directory, a factory or a file."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ def load_model(settings: Settings, device: str) -> Model:
         from service.models.mlp import MLPModel
 
         return MLPModel(settings.mlp_width, settings.mlp_depth, settings.mlp_seed, device)
+    if kind == "directory":
+        from service.models.registry import load_directory
+
+        return load_directory(Path(spec), device)
     if kind == "file":
         from service.models.user import TorchFileModel
 

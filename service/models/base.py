@@ -3,7 +3,10 @@
 A model is loaded once per worker process. ``prepare`` checks and converts one
 client item (raising ``ValueError`` with a message for the client) so that a
 bad item is refused with 422 before it can reach a batch; ``predict`` maps a
-list of prepared items to a sequence of outputs of the same length.
+list of prepared items to a sequence of outputs of the same length. ``task``
+says which routes fit the model (see TASKS); the HTTP tier reads it through
+``task_of`` and never imports a model kind. docs/models.md shows the interface
+with worked examples.
 """
 
 from __future__ import annotations
@@ -16,6 +19,20 @@ import numpy as np
 
 # A model's outputs: a list, or an array whose first axis runs over the inputs.
 Outputs: TypeAlias = Sequence[Any] | np.ndarray
+
+# What a model does, and so which routes fit it. "generic": outputs of any kind,
+# served as they are on /predict (and on OIP v2 when they are one tensor).
+EMBEDDINGS, RERANK, CLASSIFICATION, FILL_MASK, GENERIC = (
+    "embeddings",
+    "rerank",
+    "classification",
+    "fill-mask",
+    "generic",
+)
+TASKS = (EMBEDDINGS, RERANK, CLASSIFICATION, FILL_MASK, GENERIC)
+# Longest text (in characters) a text model's prepare accepts: a bound on the
+# request thread's tokenizing, far above any model's token limit.
+MAX_TEXT_CHARS = 20_000
 
 
 @runtime_checkable
@@ -43,10 +60,17 @@ class SizedModel(Model, Protocol):
     def item_size(self, item: Any) -> int: ...
 
 
+def task_of(model: Model) -> str:
+    """The model's task; a model that names none (an older factory) is "generic"."""
+    task = getattr(model, "task", GENERIC)
+    return task if task in TASKS else GENERIC
+
+
 def describe(model: Model) -> dict[str, Any]:
     """What ``GET /info`` says about the model."""
     return {
         "name": model.name,
+        "task": task_of(model),
         "item_kind": model.item_kind,
         "item_shape": list(model.item_shape) if model.item_shape is not None else None,
         "device": model.device,
@@ -65,11 +89,17 @@ def sample_item(model_info: Mapping[str, Any], rng: random.Random | None = None)
     cannot make up.
     """
     kind, shape = model_info["item_kind"], model_info["item_shape"]
+    task = model_info.get("task", GENERIC)
+    if kind == "text-pair":
+        return [_text(rng, 2, 6), _text(rng, 3, 16)]  # a short query, a longer document
     if kind == "text":
-        if rng is None:
-            return SAMPLE_SENTENCE
-        words = SAMPLE_SENTENCE.rstrip(".").split()
-        return " ".join(rng.choice(words) for _ in range(rng.randint(3, 16)))
+        text = _text(rng, 3, 16)
+        if task == FILL_MASK:
+            # Its mask token; text models of this project use BERT's.
+            words = text.split()
+            words[len(words) // 2] = "[MASK]"
+            return " ".join(words)
+        return text
     if kind in ("vector", "tensor") and shape:
         return _numbers(tuple(shape), rng)
     hint = " (for a model file, set SERVE_ITEM_SHAPE)" if kind == "tensor" else ""
@@ -77,6 +107,14 @@ def sample_item(model_info: Mapping[str, Any], rng: random.Random | None = None)
         f"no sample item for model {model_info.get('name')!r}: its items are {kind!r} of shape "
         f"{shape}; sample items exist for 'text' and for 'vector' or 'tensor' of a known shape{hint}"
     )
+
+
+def _text(rng: random.Random | None, shortest: int, longest: int) -> str:
+    """SAMPLE_SENTENCE, or with ``rng`` a random run of its words."""
+    if rng is None:
+        return SAMPLE_SENTENCE if shortest > 2 else " ".join(SAMPLE_SENTENCE.split()[:shortest])
+    words = SAMPLE_SENTENCE.rstrip(".").split()
+    return " ".join(rng.choice(words) for _ in range(rng.randint(shortest, longest)))
 
 
 def _numbers(shape: tuple[int, ...], rng: random.Random | None) -> Any:

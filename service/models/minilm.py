@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.models.base import json_type
+from service.models.base import EMBEDDINGS, MAX_TEXT_CHARS, json_type
 
-MAX_CHARS = 20_000
+MAX_CHARS = MAX_TEXT_CHARS
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +34,7 @@ class Encoded:
 
 class MiniLMModel:
     name = "all-MiniLM-L6-v2"
+    task = EMBEDDINGS
     item_kind = "text"
     item_shape: tuple[int, ...] | None = (384,)
 

@@ -12,10 +12,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from service.models.base import GENERIC
 from service.models.tensors import as_float_array
 
 
 class MLPModel:
+    task = GENERIC
     item_kind = "vector"
 
     def __init__(self, width: int, depth: int, seed: int, device: str) -> None:

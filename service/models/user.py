@@ -1,9 +1,12 @@
 """User models: ``package.module:factory`` or a TorchScript / torch.export file.
 
 A factory is any callable returning an object with ``predict(batch)``; it may
-also offer ``prepare(item)`` (else items pass as parsed JSON), ``name``,
-``item_kind`` and ``item_shape``. A file is loaded with ``torch.jit.load``, or
-``torch.export.load`` for ``.pt2``; its items are tensors given as nested lists.
+also offer ``prepare(item)`` (else items pass as parsed JSON), ``item_size(item)``
+(then its batches are cut into length-aware sub-batches, as the built-in text
+models' are), ``name``, ``task``, ``item_kind``, ``item_shape`` and
+``output_shape``: the interface of service.models.base, shown in docs/models.md.
+A file is loaded with ``torch.jit.load``, or ``torch.export.load`` for ``.pt2``;
+its items are tensors given as nested lists.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import numpy as np
 import torch
 
 from service.errors import SettingsError
-from service.models.base import Outputs
+from service.models.base import GENERIC, TASKS, Outputs
 from service.models.tensors import as_float_array
 
 
@@ -42,6 +45,19 @@ class FactoryModel:
         shape = getattr(self._inner, "item_shape", None)
         self.item_shape = tuple(shape) if shape is not None else None
         self.device = str(getattr(self._inner, "device", device))
+        self.task = str(getattr(self._inner, "task", GENERIC))
+        if self.task not in TASKS:
+            raise SettingsError(
+                f"SERVE_MODEL={spec!r}: the model's task is {self.task!r}; "
+                f"a task is one of {', '.join(TASKS)}"
+            )
+        output_shape = getattr(self._inner, "output_shape", None)
+        if output_shape is not None:
+            self.output_shape = tuple(output_shape)
+        # Offered only when the inner model has it: the runtime checks for the
+        # method (SizedModel) to decide whether to cut sub-batches.
+        if callable(getattr(self._inner, "item_size", None)):
+            self.item_size = self._inner.item_size
 
     def prepare(self, item: Any) -> Any:
         prepare = getattr(self._inner, "prepare", None)
@@ -58,6 +74,7 @@ class FactoryModel:
 
 
 class TorchFileModel:
+    task = GENERIC
     item_kind = "tensor"
 
     def __init__(self, path: Path, item_shape: tuple[int, ...] | None, device: str) -> None:

@@ -344,3 +344,25 @@ class RecordsModel(EchoModel):
 
 def records() -> RecordsModel:
     return RecordsModel()
+
+
+class SizedEchoModel(EchoModel):
+    """An echo model whose items report their size in words, as a factory may."""
+
+    name = "sized-echo"
+    task = "generic"
+
+    def item_size(self, item: str) -> int:
+        return len(item.split())
+
+
+def sized_echo() -> SizedEchoModel:
+    return SizedEchoModel()
+
+
+class BadTaskModel(EchoModel):
+    task = "translation"
+
+
+def bad_task() -> BadTaskModel:
+    return BadTaskModel()

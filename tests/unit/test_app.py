@@ -33,7 +33,13 @@ def test_probes_and_info(client: FlaskClient) -> None:
     assert client.get("/healthz").json == {"status": "ok"}
     assert client.get("/readyz").json == {"status": "ready"}
     info = client.get("/info").json
-    assert info["model"] == {"name": "mlp", "item_kind": "vector", "item_shape": [16], "device": "cpu"}  # type: ignore[index]
+    assert info["model"] == {  # type: ignore[index]
+        "name": "mlp",
+        "task": "generic",
+        "item_kind": "vector",
+        "item_shape": [16],
+        "device": "cpu",
+    }
     assert info["batching"]["max_batch_size"] == 64  # type: ignore[index]
     assert isinstance(info["pid"], int)  # type: ignore[index]
 

@@ -1,0 +1,181 @@
+"""Rerank, as Cohere's API speaks it: ``POST /v1/rerank`` and ``POST /v2/rerank``; and its naive twin.
+
+One request of N documents is N (query, document) items to the batcher, so a
+rerank request shares batches with every other request the worker serves.
+``/v1/rerank`` and ``/v2/rerank`` take the batched path, with Cohere's body,
+response and error shape (``{"message"}``), so that the ``cohere`` SDK's
+``Client`` and ``ClientV2`` work against the service as they are.
+``/rerank/naive`` and ``/rerank/batched`` take the same body and answer the
+same document as ``/v2/rerank``, on the naive and the batched path: the
+comparison /predict offers, for rerank. Served only when the model's task is
+rerank; any other model answers 404 naming its task.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from flask import Blueprint, Response, g, request
+
+from service.errors import ModelError, ServeError
+from service.http.inference import Batched, json_response, run_batched, run_naive, runtime, with_batch_size
+from service.http.payload import load_json, prepare_items, require_json
+from service.models import Model
+from service.models.base import MAX_TEXT_CHARS, RERANK, SizedModel, json_type, task_of
+
+bp = Blueprint("rerank", __name__)
+
+COHERE_PATHS = ("/v1/rerank", "/v2/rerank")
+NAIVE_PATHS = ("/rerank/naive", "/rerank/batched")
+EXAMPLE = '{"query": "text", "documents": ["text", ...], "top_n": 3}'
+# Cohere's fields this service has no use for: a value other than these is refused, not ignored.
+_UNSUPPORTED = {"max_chunks_per_doc": None, "max_tokens_per_doc": None, "relevant_spans": None}
+
+
+class NotFound(ServeError):
+    status = 404
+
+
+class BadField(ServeError):
+    """A field of the rerank request is wrong; the message names it. 422, as /predict's bad items."""
+
+    status = 422
+
+
+def error_response(status: int, message: str) -> Response:
+    """Cohere's error body; its SDK raises by status. 422 is Cohere's 400 for a bad field."""
+    return json_response({"message": message}, 400 if status == 422 else status)
+
+
+@dataclass
+class RerankRequest:
+    texts: list[str]
+    top_n: int
+    return_documents: bool
+    items: list[Any]
+
+
+@bp.post("/v1/rerank")
+def rerank_v1() -> Response:
+    return _rerank(version=1, naive=False)
+
+
+@bp.post("/v2/rerank")
+@bp.post("/rerank/batched")
+def rerank_v2() -> Response:
+    return _rerank(version=2, naive=False)
+
+
+@bp.post("/rerank/naive")
+def rerank_naive() -> Response:
+    return _rerank(version=2, naive=True)
+
+
+def _rerank(version: int, *, naive: bool) -> Response:
+    asked: list[RerankRequest] = []
+
+    def parse(body: bytes, model: Model) -> list[Any]:
+        check_rerank_model(model)
+        require_json(request.content_type)
+        document = load_json(body, EXAMPLE)
+        asked.append(parse_request(document, model, runtime().settings.max_items_per_request))
+        return asked[0].items
+
+    done = run_naive(parse) if naive else run_batched(parse)
+    return with_batch_size(json_response(render(done, asked[0], version)), done.batch_size)
+
+
+def check_rerank_model(model: Model) -> None:
+    task = task_of(model)
+    if task != RERANK:
+        raise NotFound(
+            f"model {model.name!r} serves {task}, not rerank; the rerank routes serve a cross-encoder "
+            "(a *ForSequenceClassification directory with one label). POST /predict serves this one"
+        )
+
+
+def parse_request(document: Any, model: Model, max_items: int) -> RerankRequest:
+    """The checked request, its documents prepared as (query, document) items; BadField names the field."""
+    if not isinstance(document, dict):
+        raise BadField(f"the body must be a JSON object such as {EXAMPLE}, got {json_type(document)}")
+    name = document.get("model")
+    if name is not None and name != model.name:
+        raise NotFound(f"unknown model {name!r}; this service serves {model.name!r}")
+    for field, allowed in _UNSUPPORTED.items():
+        if document.get(field) is not allowed:
+            raise BadField(f'"{field}" is not supported; leave it out')
+    rank_fields = document.get("rank_fields")
+    if rank_fields is not None and rank_fields != ["text"]:
+        raise BadField(f'"rank_fields" may only be ["text"], got {rank_fields!r:.80}')
+    query = _query(document.get("query"))
+    texts = _documents(document.get("documents"), max_items)
+    top_n = _top_n(document.get("top_n"), len(texts))
+    return_documents = document.get("return_documents", False)
+    if not isinstance(return_documents, bool):
+        raise BadField(f'"return_documents" must be true or false, got {json_type(return_documents)}')
+    items = prepare_items([[query, text] for text in texts], model, max_items, "documents")
+    return RerankRequest(texts, top_n, return_documents, items)
+
+
+def _query(query: Any) -> str:
+    if not isinstance(query, str):
+        raise BadField(f'"query" must be a string, got {json_type(query)}')
+    if not query.strip():
+        raise BadField('"query" is empty; send the text to rank the documents against')
+    if len(query) > MAX_TEXT_CHARS:
+        raise BadField(f'"query" is {len(query)} characters; the limit is {MAX_TEXT_CHARS}')
+    return query
+
+
+def _documents(documents: Any, max_items: int) -> list[str]:
+    if not isinstance(documents, list):
+        raise BadField(
+            f'"documents" must be a list of strings or {{"text": string}} objects, got {json_type(documents)}'
+        )
+    if not documents:
+        raise BadField('"documents" is empty; send at least one document')
+    texts = []
+    for index, entry in enumerate(documents):
+        text = entry.get("text") if isinstance(entry, dict) else entry
+        if not isinstance(text, str):
+            shown = 'an object without a "text" string' if isinstance(entry, dict) else json_type(entry)
+            raise BadField(f'documents[{index}] must be a string or {{"text": string}}, got {shown}')
+        texts.append(text)
+    return texts
+
+
+def _top_n(top_n: Any, documents: int) -> int:
+    """How many results to return: all by default; more than there are documents returns them all."""
+    if top_n is None:
+        return documents
+    if isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1:
+        raise BadField(f'"top_n" must be a whole number of at least 1, got {top_n!r:.40}')
+    return min(top_n, documents)
+
+
+def render(done: Batched, asked: RerankRequest, version: int) -> dict[str, Any]:
+    try:
+        scores = np.asarray(done.outputs, dtype=np.float64).reshape(len(asked.texts))
+    except (TypeError, ValueError) as exc:
+        raise ModelError(
+            f"model {done.model.name!r} returned outputs that are not one score per document"
+        ) from exc
+    # Stable: documents of equal score keep their order.
+    order = np.argsort(-scores, kind="stable")[: asked.top_n]
+    results = []
+    for index in order.tolist():
+        result: dict[str, Any] = {"index": index, "relevance_score": float(scores[index])}
+        if asked.return_documents:
+            result["document"] = {"text": asked.texts[index]}
+        results.append(result)
+    tokens = (
+        sum(done.model.item_size(item) for item in asked.items) if isinstance(done.model, SizedModel) else 0
+    )
+    return {
+        "id": g.get("request_id") or uuid.uuid4().hex,
+        "results": results,
+        "meta": {"api_version": {"version": str(version)}, "tokens": {"input_tokens": tokens}},
+    }

@@ -1,0 +1,75 @@
+"""Labels with scores from a sequence classifier: a ``*ForSequenceClassification`` with several labels.
+
+Each text's output is every label with its score, best first, as
+transformers' text-classification pipeline gives them with ``top_k=None``:
+a softmax over the labels, or a sigmoid for each one when the config's
+problem type is multi-label (none for regression).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from service.models.base import CLASSIFICATION
+from service.models.hf import (
+    Tokens,
+    check_text,
+    directory_name,
+    encode,
+    load_tokenizer,
+    pad,
+    position_limit,
+    quiet_transformers,
+)
+
+
+class SequenceClassifierModel:
+    task = CLASSIFICATION
+    item_kind = "text"
+    item_shape: tuple[int, ...] | None = None
+
+    def __init__(self, path: Path, device: str) -> None:
+        from transformers import AutoModelForSequenceClassification
+
+        quiet_transformers()
+        self.name = directory_name(path)
+        self.device = device
+        self._tokenizer = load_tokenizer(path)
+        self._model = (
+            AutoModelForSequenceClassification.from_pretrained(str(path), local_files_only=True)
+            .eval()
+            .to(device)
+        )
+        config = self._model.config
+        self._labels = [str(config.id2label[i]) for i in range(config.num_labels)]
+        self._problem = config.problem_type
+        self._max_length = position_limit(self._tokenizer, config)
+        self._pad_id = self._tokenizer.pad_token_id or 0
+
+    def prepare(self, item: Any) -> Tokens:
+        return encode(self._tokenizer, check_text(item), max_length=self._max_length)
+
+    def item_size(self, item: Tokens) -> int:
+        return len(item.ids)
+
+    def predict(self, batch: list[Tokens]) -> list[list[dict[str, Any]]]:
+        features = pad(batch, self._pad_id, self.device)
+        with torch.inference_mode():
+            logits = self._model(**features).logits.float()
+        if self._problem == "regression":
+            scores = logits
+        elif self._problem == "multi_label_classification":
+            scores = torch.sigmoid(logits)
+        else:
+            scores = torch.softmax(logits, dim=-1)
+        outputs = []
+        for row in scores.cpu().tolist():
+            labels = [
+                {"label": label, "score": score} for label, score in zip(self._labels, row, strict=True)
+            ]
+            labels.sort(key=lambda entry: entry["score"], reverse=True)
+            outputs.append(labels)
+        return outputs

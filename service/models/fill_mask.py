@@ -1,0 +1,101 @@
+"""The top fills for each mask token of a text, from a ``*ForMaskedLM`` directory.
+
+Outputs are those of transformers' fill-mask pipeline (top 5): for a text with
+one mask, a list of ``{"score", "token", "token_str", "sequence"}`` best first;
+for a text with several, one such list per mask, in order. A text without the
+mask token, or too long for the model, is refused in ``prepare``: truncating
+it could cut its mask away.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from service.models.base import FILL_MASK
+from service.models.hf import (
+    Tokens,
+    check_text,
+    directory_name,
+    encode,
+    load_tokenizer,
+    pad,
+    position_limit,
+    quiet_transformers,
+)
+
+TOP_K = 5
+
+
+class MaskedLMModel:
+    task = FILL_MASK
+    item_kind = "text"
+    item_shape: tuple[int, ...] | None = None
+
+    def __init__(self, path: Path, device: str) -> None:
+        from transformers import AutoModelForMaskedLM
+
+        quiet_transformers()
+        self.name = directory_name(path)
+        self.device = device
+        self._tokenizer = load_tokenizer(path)
+        self._model = AutoModelForMaskedLM.from_pretrained(str(path), local_files_only=True).eval().to(device)
+        self.mask_token: str = self._tokenizer.mask_token
+        self._mask_id: int = self._tokenizer.mask_token_id
+        self._max_length = position_limit(self._tokenizer, self._model.config)
+        self._pad_id = self._tokenizer.pad_token_id or 0
+
+    def prepare(self, item: Any) -> Tokens:
+        text = check_text(item)
+        tokens = encode(self._tokenizer, text, max_length=None)
+        if self._mask_id not in tokens.ids:
+            raise ValueError(
+                f"the text has no {self.mask_token}; put {self.mask_token} where a word is to be filled"
+            )
+        if len(tokens.ids) > self._max_length:
+            raise ValueError(
+                f"the text is {len(tokens.ids)} tokens; the model takes at most {self._max_length}"
+            )
+        return tokens
+
+    def item_size(self, item: Tokens) -> int:
+        return len(item.ids)
+
+    def predict(self, batch: list[Tokens]) -> list[Any]:
+        features = pad(batch, self._pad_id, self.device)
+        with torch.inference_mode():
+            logits = self._model(**features).logits
+        outputs = []
+        for row, item in enumerate(batch):
+            ids = np.asarray(item.ids)
+            masks = np.flatnonzero(ids == self._mask_id)
+            probs = logits[row, torch.from_numpy(masks).to(logits.device)].float().softmax(dim=-1)
+            values, predictions = probs.topk(min(TOP_K, probs.shape[-1]))
+            fills = [
+                self._fills(ids, int(mask), scores, tokens, single=len(masks) == 1)
+                for mask, scores, tokens in zip(masks, values.tolist(), predictions.tolist(), strict=True)
+            ]
+            outputs.append(fills[0] if len(fills) == 1 else fills)
+        return outputs
+
+    def _fills(
+        self, ids: np.ndarray, mask: int, scores: list[float], tokens: list[int], *, single: bool
+    ) -> list[dict[str, Any]]:
+        """The pipeline's propositions for one mask; with several masks, the others stay in the sequence."""
+        fills = []
+        for score, token in zip(scores, tokens, strict=True):
+            filled = ids.copy()
+            filled[mask] = token
+            sequence = self._tokenizer.decode(filled.tolist(), skip_special_tokens=single)
+            fills.append(
+                {
+                    "score": score,
+                    "token": token,
+                    "token_str": self._tokenizer.decode([token]),
+                    "sequence": sequence,
+                }
+            )
+        return fills

@@ -1,0 +1,27 @@
+"""Which module serves a model directory's task: one module per kind, imported only when used.
+
+service.model_spec recognises the task from the directory's files (without
+torch, in the gunicorn master); this maps it to the kind's class, in the worker.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from service.model_spec import directory_task
+from service.models.base import CLASSIFICATION, EMBEDDINGS, FILL_MASK, RERANK, Model
+
+KINDS = {
+    EMBEDDINGS: ("service.models.embeddings", "SentenceEmbeddingModel"),
+    RERANK: ("service.models.rerank", "CrossEncoderModel"),
+    CLASSIFICATION: ("service.models.classification", "SequenceClassifierModel"),
+    FILL_MASK: ("service.models.fill_mask", "MaskedLMModel"),
+}
+
+
+def load_directory(path: Path, device: str) -> Model:
+    """The model a Hugging Face directory holds, served by the kind its files call for."""
+    module, cls = KINDS[directory_task(path)]
+    model: Model = getattr(importlib.import_module(module), cls)(path, device)
+    return model
