@@ -29,6 +29,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import Literal
 
@@ -71,6 +72,10 @@ REJECTION_REASONS = (
 TIMEOUT_REASONS = ("expired_in_queue", "expired_in_batch")
 
 _WORKER_LABELS = ("slot", "device")
+
+# A worker reads its own RSS at most this often (on a batch, or a scrape it answers).
+RSS_EVERY_S = 1.0
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 # device -> (bytes allocated, bytes reserved) by torch's caching allocator.
 GpuMemoryReader = Callable[[str], tuple[int, int]]
@@ -174,6 +179,18 @@ class Metrics(BatchObserver):
             *_WORKER_LABELS,
             per_worker=True,
         )
+        # prometheus_client's process collector is not served in multiprocess mode
+        # (each scrape would report the one worker that answered it), so each
+        # worker records its own resident memory: what a memory limit counts.
+        self.resident_memory = _gauge(
+            r,
+            "serve_worker_resident_memory_bytes",
+            "Resident memory (RSS) of the worker process, as of its last batch or scrape.",
+            *_WORKER_LABELS,
+            per_worker=True,
+        )
+        self._rss_read_at = -RSS_EVERY_S
+        self._device_label = self._planned_device or "cpu"
         for reason in REJECTION_REASONS:
             self.rejected.labels(reason)
         for reason in TIMEOUT_REASONS:
@@ -217,6 +234,7 @@ class Metrics(BatchObserver):
         for waited in queue_waits:
             self.queue_wait.observe(waited)
         self._record_gpu_memory()
+        self._record_resident_memory()
 
     def on_queue_depth(self, depth: int) -> None:
         self.queue_depth.set(depth)
@@ -230,9 +248,18 @@ class Metrics(BatchObserver):
         label = self._planned_device or device
         self.model_load.labels(self.slot).set(seconds)
         self.worker_info.labels(self.slot, label).set(1)
+        self._device_label = label
+        self._record_resident_memory(force=True)
         if device.startswith("cuda"):
             self._gpu = (device, label)
             self._record_gpu_memory()
+
+    def _record_resident_memory(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._rss_read_at < RSS_EVERY_S:
+            return
+        self._rss_read_at = now
+        self.resident_memory.labels(self.slot, self._device_label).set(resident_bytes())
 
     def on_model_info(self, name: str, task: str) -> None:
         self.model_info.labels(self.slot, name, task).set(1)
@@ -249,8 +276,9 @@ class Metrics(BatchObserver):
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every worker's metrics."""
-        # Other workers' GPU figures are as of their last batch; this one's is fresh.
+        # Other workers' figures are as of their last batch; this one's are fresh.
         self._record_gpu_memory()
+        self._record_resident_memory(force=True)
         if self.registry is not None:
             return generate_latest(self.registry)
         registry = CollectorRegistry()
@@ -283,6 +311,15 @@ def _histogram(
 def _metrics_view() -> Response:
     metrics: Metrics = current_app.extensions[EXTENSION]
     return Response(metrics.render(), content_type=CONTENT_TYPE_LATEST)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory, from /proc (0 where there is none)."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * _PAGE_BYTES
+    except OSError:
+        return 0
 
 
 def cuda_memory(device: str) -> tuple[int, int]:

@@ -183,6 +183,10 @@ class Settings:
     balance_connections: bool = True
     # Requests after which gunicorn replaces a worker (0: never); see max_requests_jitter.
     max_requests: int = 0
+    # oneDNN primitives each worker keeps (ONEDNN_PRIMITIVE_CACHE_CAPACITY): one
+    # per op and input shape, so mixed-length batches fill oneDNN's default 1024
+    # and the worker's memory with it (docs/reliability.md, "Memory").
+    onednn_cache: int = 0
     devices: str = "auto"
     workers_per_device: int | None = None
     gpu_memory_per_worker_mb: int | None = None
@@ -288,6 +292,7 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "worker_connections": ("SERVE_WORKER_CONNECTIONS", _integer(1, 100_000)),
     "balance_connections": ("SERVE_BALANCE_CONNECTIONS", _switch),
     "max_requests": ("SERVE_MAX_REQUESTS", _integer(0, 1 << 31)),
+    "onednn_cache": ("SERVE_ONEDNN_CACHE", _integer(0, 1 << 20)),
     "devices": ("SERVE_DEVICES", _devices),
     "workers_per_device": ("SERVE_WORKERS_PER_DEVICE", _integer(1, 256)),
     "gpu_memory_per_worker_mb": ("SERVE_GPU_MEMORY_PER_WORKER_MB", _integer(1, 16_777_216)),

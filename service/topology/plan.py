@@ -73,6 +73,7 @@ class Plan:
     inventory: Inventory
     decisions: tuple[Decision, ...]
     warnings: tuple[str, ...]
+    onednn_cache: int = 0  # oneDNN primitives each worker caches (SERVE_ONEDNN_CACHE)
 
     def worker(self, slot: int) -> WorkerPlan:
         """The plan for ``slot``. Slots past the planned count (gunicorn's TTIN signal,
@@ -95,6 +96,11 @@ class Plan:
             # One GPU per worker, named by UUID so no device-order setting can change it;
             # a CPU worker sees none, so nothing in it creates a CUDA context by accident.
             "CUDA_VISIBLE_DEVICES": worker.gpu_uuid or "",
+            # oneDNN caches a compiled primitive per op and input shape: with
+            # mixed-length batches nearly every call is a new shape, and at its
+            # default capacity (1024) the cache, and the heap it fragments,
+            # grow a worker by hundreds of MiB (docs/reliability.md, "Memory").
+            "ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(self.onednn_cache),
             **LIBRARY_ENV,
         }
 
@@ -128,6 +134,7 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
         inventory=inventory,
         decisions=tuple(decisions),
         warnings=tuple(warnings),
+        onednn_cache=settings.onednn_cache,
     )
 
 

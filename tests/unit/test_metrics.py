@@ -31,6 +31,15 @@ def scrape(client: FlaskClient) -> Scrape:
     return Scrape.parse(response.get_data())
 
 
+def test_each_worker_reports_its_resident_memory(client: FlaskClient) -> None:
+    assert client.post("/predict/batched", json={"inputs": [VECTOR]}).status_code == 200
+    (labels,) = scrape(client).series("serve_worker_resident_memory_bytes")
+    assert labels == {"slot": "0", "device": "cpu"}
+    rss = scrape(client).total("serve_worker_resident_memory_bytes")
+    # This test process holds torch and a model: far more than a few MiB, far less than 64 GiB.
+    assert 16 << 20 < rss < 64 << 30
+
+
 def test_request_counters_and_durations_match_what_was_sent(client: FlaskClient) -> None:
     for _ in range(3):
         assert client.post("/predict/naive", json={"inputs": [VECTOR]}).status_code == 200

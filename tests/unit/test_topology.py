@@ -55,6 +55,13 @@ def test_two_cores_without_a_gpu_run_one_single_threaded_worker_per_core() -> No
     assert env["SERVE_WORKER_GPU_MEMORY_FRACTION"] is None
     assert env["CUDA_VISIBLE_DEVICES"] == ""  # a CPU worker never sees a GPU
     assert env["TOKENIZERS_PARALLELISM"] == "false"  # its pool would compete with torch's threads
+    # One compiled oneDNN primitive per op and shape would fill the worker with mixed lengths.
+    assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "0"
+
+
+def test_the_onednn_cache_setting_reaches_every_worker() -> None:
+    p = env_plan(TWO_CORES, SERVE_ONEDNN_CACHE="1024")
+    assert [p.worker_env(slot)["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] for slot in (0, 1)] == ["1024", "1024"]
 
 
 @pytest.mark.parametrize(
