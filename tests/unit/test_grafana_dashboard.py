@@ -27,6 +27,7 @@ PANELS = (
     "Model time",
     "Workers up",
     "GPU memory",
+    "Worker memory",
 )
 
 

@@ -17,6 +17,7 @@ ALERTS = (
     "ServeWorkersNotReady",
     "ServeBatchThreadFailed",
     "ServeWorkerRestarts",
+    "ServeWorkerMemoryGrowing",
 )
 
 
