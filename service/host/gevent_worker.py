@@ -9,19 +9,32 @@ are only available on the default loop". One such import is common:
 which httpx's transport imports whenever trio is installed, and transformers
 imports httpx. The service never starts a process from a request greenlet,
 so a native ``subprocess`` costs the event loop nothing.
+
+It also holds a refused client's connection for the Retry-After it was told
+before reading its next request (service.host.hold): the connection's greenlet
+sleeps, which holds no thread.
 """
 
 from __future__ import annotations
 
 import socket
+import time
 from typing import Any
 
+import gevent
 from gevent import monkey
+from gevent.local import local
 from gunicorn.workers.ggevent import GeventWorker as _GeventWorker
+
+from service.host.hold import data_waiting
+from service.host.worker import StampedApp
 
 
 class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no type hints
     sockets: list[Any]
+    wsgi: Any
+    alive: bool
+    _requests: Any  # one per connection's greenlet: its arrival stamp and the door's hold
 
     def patch(self) -> None:
         monkey.patch_all(subprocess=False)
@@ -29,3 +42,23 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
         self.sockets = [
             socket.socket(s.FAMILY, socket.SOCK_STREAM, fileno=s.sock.detach()) for s in self.sockets
         ]
+
+    def load_wsgi(self) -> None:
+        super().load_wsgi()
+        self._requests = local()
+        self.wsgi = StampedApp(self.wsgi, self._requests)
+
+    def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> None:
+        requests = self._requests
+        requests.at, requests.next_at = getattr(requests, "next_at", None), None
+        requests.hold_s = 0.0
+        try:
+            super().handle_request(listener_name, req, sock, addr)  # raises to close the connection
+        finally:
+            requests.at = None
+        if requests.hold_s > 0 and self.alive:
+            began = time.monotonic()
+            gevent.sleep(requests.hold_s)
+            # Sent during the hold: it arrived when the hold began, at the latest.
+            if data_waiting(sock):
+                requests.next_at = began

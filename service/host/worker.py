@@ -10,6 +10,9 @@
 # - A stamp is written before the connection is submitted to the pool and read
 #   by the one thread that runs it: the pool's queue orders the two.
 # - Balance: see service.host.balance; the event loop alone reads and updates it.
+# - Holds: see service.host.hold. The request thread copies the door's hold
+#   from the environ onto its connection; the event loop parks the connection
+#   in HeldConnections instead of its poller and releases it when due.
 
 """gunicorn's gthread worker: it stamps each request's arrival, and accepts only its share of connections.
 
@@ -24,12 +27,14 @@ import selectors
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from typing import Any
 
 from gunicorn.workers.gthread import ThreadWorker
 
 from service.host.balance import Balance
-from service.http.arrival import ARRIVAL_ENVIRON_KEY
+from service.host.hold import HeldConnections, data_waiting
+from service.http.arrival import ARRIVAL_ENVIRON_KEY, HOLD_ENVIRON_KEY
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
@@ -40,7 +45,9 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
     poller: selectors.BaseSelector
     _configured_connections: int
     wsgi: Any
+    alive: bool
     _arrivals: threading.local
+    _held: HeldConnections[tuple[Any, Future[Any]]]
 
     # gthread's event loop accepts while ``nr_conns < worker_connections`` and
     # re-reads both on every turn, so this property is where a worker that holds
@@ -59,18 +66,48 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
     def load_wsgi(self) -> None:
         super().load_wsgi()
         self._arrivals = threading.local()
-        self.wsgi = _Stamped(self.wsgi, self._arrivals)
+        self._held = HeldConnections()
+        self.wsgi = StampedApp(self.wsgi, self._arrivals)
 
     def enqueue_req(self, conn: Any) -> None:
-        conn.serve_arrived = time.monotonic()
+        # A request that waited out a hold arrived when the hold began, at the latest.
+        held_since = getattr(conn, "serve_held_since", None)
+        conn.serve_held_since = None
+        conn.serve_arrived = time.monotonic() if held_since is None else held_since
         super().enqueue_req(conn)
 
     def handle(self, conn: Any) -> Any:
         self._arrivals.at = getattr(conn, "serve_arrived", None)
+        self._arrivals.hold_s = 0.0
         try:
             return super().handle(conn)
         finally:
             self._arrivals.at = None
+            conn.serve_hold_s = self._arrivals.hold_s
+
+    def finish_request(self, conn: Any, fs: Future[Any]) -> None:
+        # In the event loop. Only a kept-alive connection (the result True) is held:
+        # one to be closed or deferred goes its usual way at once.
+        hold_s = getattr(conn, "serve_hold_s", 0.0)
+        conn.serve_hold_s = 0.0
+        kept_alive = not fs.cancelled() and fs.exception() is None and fs.result() is True
+        if hold_s > 0 and self.alive and kept_alive:
+            self._held.hold((conn, fs), time.monotonic(), hold_s)
+            return
+        super().finish_request(conn, fs)
+
+    def wait_for_and_dispatch_events(self, timeout: float) -> None:
+        wait = self._held.seconds_to_next(time.monotonic())
+        super().wait_for_and_dispatch_events(timeout if wait is None else min(timeout, wait))
+        self._release_held()
+
+    def _release_held(self) -> None:
+        # A stopping worker lets every held connection go: its next request is
+        # answered with "Connection: close", as gthread answers any then.
+        for (conn, fs), since in self._held.due(time.monotonic(), everything=not self.alive):
+            if conn.parser.unreader.buf.getvalue() or data_waiting(conn.sock):
+                conn.serve_held_since = since
+            super().finish_request(conn, fs)
 
     def run(self) -> None:
         if self.balance is not None:
@@ -88,8 +125,8 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
             self.balance.woken()
 
 
-class _Stamped:
-    """The app, with each request's arrival put into its environ.
+class StampedApp:
+    """The app, with each request's arrival put into its environ, and the door's hold taken from it.
 
     Every other attribute is the app's: the lifecycle hooks find the service's
     runtime through ``worker.wsgi.extensions`` (service.host.lifecycle).
@@ -103,7 +140,9 @@ class _Stamped:
         arrived = getattr(self._arrivals, "at", None)
         if arrived is not None:
             environ[ARRIVAL_ENVIRON_KEY] = arrived
-        return self._app(environ, start_response)
+        answer = self._app(environ, start_response)
+        self._arrivals.hold_s = environ.get(HOLD_ENVIRON_KEY, 0.0)
+        return answer
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._app, name)

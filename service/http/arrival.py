@@ -16,6 +16,10 @@ from __future__ import annotations
 # The monotonic time the worker stamped, then the arrival the door settled on.
 ARRIVAL_ENVIRON_KEY = "serve.arrived"
 
+# Seconds the worker holds a connection after the door refused a request on it,
+# before it reads the next one (service.host.hold); absent: no hold.
+HOLD_ENVIRON_KEY = "serve.hold_s"
+
 # A proxy's stamp implying a longer wait than this is a clock out of step (or
 # made up), not a request that waited: it is ignored rather than trusted to
 # refuse every request.

@@ -23,7 +23,10 @@ connection can carry the client's next request). For the predict routes it
   ``over_budget``, when it already waited past SERVE_LATENCY_BUDGET_MS, when
   the work queued ahead of it (the batcher's predicted wait) would take it past
   that budget, or when the wait before the handler has become a standing queue
-  and it waited past a tenth of the budget there (service.batching.admission).
+  and it waited past a tenth of the budget there (service.batching.admission);
+- asks the worker, for a refusal to a client that came straight to it, to hold
+  the connection for the Retry-After it was told before reading the next
+  request on it (``HOLD_ENVIRON_KEY``; service.host.hold).
 
 Other paths pass straight through. The batcher checks the budget again when
 the request is queued: many requests can pass the door together.
@@ -41,7 +44,7 @@ import orjson
 from service.batching import native
 from service.errors import Overloaded
 from service.http.access import REQUEST_ID_HEADER, request_id
-from service.http.arrival import ARRIVAL_ENVIRON_KEY, proxy_wait, settle_wait
+from service.http.arrival import ARRIVAL_ENVIRON_KEY, HOLD_ENVIRON_KEY, proxy_wait, settle_wait
 
 if TYPE_CHECKING:
     from service.metrics import Metrics
@@ -97,7 +100,22 @@ class Door:
         )
         # Counted with the other answers, so 503s add up in serve_http_requests_total.
         self._metrics.observe_request(path, 503, time.monotonic() - now)
+        if not _proxied(environ):
+            environ[HOLD_ENVIRON_KEY] = float(refusal.retry_after_s)
         return _Refusal(body, environ.get("wsgi.input"), self._runtime.settings.max_body_bytes)
+
+
+def _proxied(environ: dict[str, Any]) -> bool:
+    """Whether the request came through a proxy, whose connection carries other clients' requests too.
+
+    A refused client's connection is held for its Retry-After before the worker
+    reads from it again (service.host.hold): a client that resends at once then
+    waits as one that honours the header does, and costs one refusal a second
+    instead of thousands. A proxy's kept-alive connection is shared, so holding
+    it would delay other clients; the proxy's own limits apply there
+    (deploy/nginx.conf).
+    """
+    return "HTTP_X_REQUEST_START" in environ or "HTTP_X_FORWARDED_FOR" in environ
 
 
 class _Refusal:

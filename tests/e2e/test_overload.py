@@ -12,9 +12,11 @@ other core to the generator.
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import socket
+import threading
 import time
 
 import pytest
@@ -108,3 +110,51 @@ def test_a_refused_request_with_a_large_body_leaves_its_connection_usable(worker
         sock.sendall(b"GET /readyz HTTP/1.1\r\nHost: test\r\n\r\n")
         head, _ = read_response(sock)
         assert head.startswith(b"HTTP/1.1 200"), "the connection did not carry the next request"
+
+
+def storm(port: int, clients: int, seconds: float) -> tuple[int, int, float]:
+    """Closed-loop clients that resend the moment they are answered, 503 included, each on its own
+    kept-alive connection, as wrk or a hand-written loop does: (200s, 503s, the shortest time from a
+    503 to the next answer on its connection)."""
+    lock = threading.Lock()
+    tally = {"ok": 0, "refused": 0, "after_refusal": float("inf")}
+    end = time.monotonic() + seconds
+
+    def client() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        refused_at = None
+        while time.monotonic() < end:
+            conn.request("POST", "/predict/batched", BODY, {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            response.read()
+            now = time.monotonic()
+            with lock:
+                if refused_at is not None:
+                    tally["after_refusal"] = min(tally["after_refusal"], now - refused_at)
+                tally["ok" if response.status == 200 else "refused"] += 1
+            assert response.status in (200, 503), response.status
+            refused_at = now if response.status == 503 else None
+        conn.close()
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=seconds + 60)
+    return int(tally["ok"]), int(tally["refused"]), tally["after_refusal"]
+
+
+@pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
+def test_clients_that_resend_at_once_get_the_capacity_not_a_storm_of_refusals(worker_class: str) -> None:
+    # 128 clients hold three times the requests the budget admits. Each refusal
+    # holds its connection for the Retry-After (1 s) before the worker reads the
+    # resend, so the refusals stay near one a second a client: without the hold
+    # they ran to thousands a second and took the CPU from the model.
+    clients, seconds = 128, 6.0
+    with gunicorn({**OVERLOAD, "SERVE_WORKER_CLASS": worker_class}) as server:
+        capacity = openloop.closed_loop(server.url + "/predict/batched", bodies(), clients=16, seconds=4)
+        ok, refused, after_refusal = storm(server.port, clients, seconds)
+    assert refused > 0, "128 clients fit the budget: the test no longer overloads"
+    assert refused <= clients * (seconds + 1), f"{refused} refusals in {seconds} s from {clients} clients"
+    assert after_refusal >= 0.9, f"a resend was answered {after_refusal:.3f} s after its 503"
+    assert ok / seconds >= 0.8 * capacity, (ok / seconds, capacity)

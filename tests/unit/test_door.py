@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from flask.testing import FlaskClient
 
+from service.http.arrival import ARRIVAL_ENVIRON_KEY, HOLD_ENVIRON_KEY
 from service.settings import Settings
 from tests.conftest import SMALL_MLP
 
@@ -52,3 +54,38 @@ def test_other_paths_pass_the_door_untouched(make_client: Callable[[Settings], F
     assert client.get("/readyz", headers=stale).status_code == 200
     assert client.get("/predict/batched", headers=stale).status_code == 405
     assert client.get("/info").json["limits"]["latency_budget_ms"] == 1000
+
+
+def test_a_client_refused_straight_is_held_for_its_retry_after_and_a_proxy_is_not(
+    make_client: Callable[[Settings], FlaskClient],
+) -> None:
+    client = make_client(SMALL_MLP.replace(latency_budget_ms=1000))
+    # The environ as the worker sees it once the app returns: the test client's response has a copy.
+    environs: list[dict[str, Any]] = []
+    door = client.application.wsgi_app
+
+    def seen(environ: dict[str, Any], start_response: Any) -> Any:
+        environs.append(environ)
+        return door(environ, start_response)
+
+    client.application.wsgi_app = seen  # type: ignore[method-assign]
+    # As the gthread worker stamps it: the connection was readable 5 s ago.
+    straight = client.post(
+        "/predict", json=BODY, environ_overrides={ARRIVAL_ENVIRON_KEY: time.monotonic() - 5}
+    )
+    assert straight.status_code == 503
+    assert environs[-1][HOLD_ENVIRON_KEY] == float(straight.headers["Retry-After"]) == 1.0
+    # Through nginx the connection is shared by many clients: holding it would delay them.
+    for header in ("X-Request-Start", "X-Forwarded-For"):
+        value = f"t={time.time() - 5:.3f}" if header == "X-Request-Start" else "203.0.113.7"
+        proxied = client.post(
+            "/predict",
+            json=BODY,
+            headers={header: value},
+            environ_overrides={ARRIVAL_ENVIRON_KEY: time.monotonic() - 5},
+        )
+        assert proxied.status_code == 503
+        assert HOLD_ENVIRON_KEY not in environs[-1]
+    served = client.post("/predict", json=BODY)
+    assert served.status_code == 200
+    assert HOLD_ENVIRON_KEY not in environs[-1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from service.host.worker import _Stamped
+from service.host.worker import StampedApp
 from service.http.arrival import ARRIVAL_ENVIRON_KEY
 
 
@@ -21,7 +21,7 @@ class _App:
 
 def test_the_stamp_of_the_thread_reaches_the_environ() -> None:
     app, arrivals = _App(), threading.local()
-    stamped = _Stamped(app, arrivals)
+    stamped = StampedApp(app, arrivals)
     arrivals.at = 123.5
     assert stamped({}, lambda *a: None) == [b"ok"]
     assert app.environ[ARRIVAL_ENVIRON_KEY] == 123.5
@@ -32,4 +32,4 @@ def test_the_stamp_of_the_thread_reaches_the_environ() -> None:
 
 def test_the_hooks_still_find_the_apps_extensions() -> None:
     # service.host.lifecycle reaches the runtime through worker.wsgi.extensions.
-    assert _Stamped(_App(), threading.local()).extensions == {"serve": "the runtime"}
+    assert StampedApp(_App(), threading.local()).extensions == {"serve": "the runtime"}
