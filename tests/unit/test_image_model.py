@@ -326,3 +326,16 @@ def test_a_text_model_still_refuses_image_bodies(client: FlaskClient) -> None:
     response = client.post("/predict", data=FILES[0], headers={"Content-Type": "image/jpeg"})
     assert response.status_code == 415
     assert response.json == {"error": "Content-Type must be application/json, got image/jpeg"}
+
+
+def test_sample_items_for_an_image_model_are_jpegs_it_takes(image_client: FlaskClient) -> None:
+    import random
+
+    from service.models.base import sample_item
+
+    info = image_client.get("/info").json
+    assert info is not None
+    fixed, varied = sample_item(info["model"]), sample_item(info["model"], random.Random(1))
+    assert fixed.startswith("data:image/jpeg;base64,") and fixed != varied
+    response = image_client.post("/predict", json={"inputs": [fixed, varied]})
+    assert response.status_code == 200, response.get_data(as_text=True)
