@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from service.errors import SettingsError
+from service.image_spec import PREPROCESS_FILE, PROGRAM_FILES, program_file, read_image_spec
 
 BUILTIN = ("minilm", "mlp")
 # .pt2 is a torch.export program; the others are TorchScript.
@@ -26,6 +27,7 @@ DIRECTORY_TASKS = {
     "rerank": "a *ForSequenceClassification model with one label (a cross-encoder)",
     "classification": "a *ForSequenceClassification model with several labels",
     "fill-mask": "a *ForMaskedLM model",
+    "image": f"a TorchScript or torch.export program ({' or '.join(PROGRAM_FILES)}) beside {PREPROCESS_FILE}",
 }
 # Any of these means the directory has a tokenizer that transformers can load offline.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt")
@@ -81,8 +83,18 @@ def directory_task(path: Path) -> str:
     sentence-transformers' own files come first: a sentence-transformers
     directory also holds a transformers config.json (of a bare encoder). A
     cross-encoder saved by sentence-transformers says so in
-    config_sentence_transformers.json and is read from its config.json.
+    config_sentence_transformers.json and is read from its config.json. An
+    image model directory is a program beside its preprocess.json (and, for
+    labelled outputs, labels.txt); the declaration is checked here in full.
     """
+    if (path / PREPROCESS_FILE).is_file():
+        if program_file(path) is None:
+            raise SettingsError(
+                f"SERVE_MODEL={str(path)!r}: the directory has {PREPROCESS_FILE} but no program; "
+                f"save the model beside it as {' or '.join(PROGRAM_FILES)}"
+            )
+        read_image_spec(path)
+        return "image"
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise SettingsError(
             f"SERVE_MODEL={str(path)!r}: the directory has no tokenizer (none of "

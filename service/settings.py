@@ -22,6 +22,10 @@ WORKER_CLASSES = ("gthread", "gevent", "sync")
 LOG_FORMATS = ("text", "json")
 BATCH_GATHER_POLICIES = ("adaptive", "eager")
 DEVICE_MODES = ("auto", "cpu", "cuda")
+# Pillow's own decompression-bomb threshold (PIL.Image.MAX_IMAGE_PIXELS), written
+# out so that the master need not import Pillow: SERVE_MAX_IMAGE_PIXELS may only
+# lower it, so that an image Pillow would warn about is refused by our limit first.
+PILLOW_MAX_IMAGE_PIXELS = 89_478_485
 
 
 def _integer(lo: int, hi: int) -> Callable[[str, str], int]:
@@ -165,6 +169,9 @@ class Settings:
     token_memory_kb: float | None = None
     max_items_per_request: int = 64
     max_body_bytes: int = 1 << 20
+    # Width x height an image model decodes at most, read from the file's header
+    # before any pixel is: 4096 x 4096, 48 MiB of RGB per image being decoded.
+    max_image_pixels: int = 4096 * 4096
     max_queue: int | None = None
     request_timeout_ms: int = 30_000
     latency_budget_ms: int | None = None
@@ -275,6 +282,7 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "token_memory_kb": ("SERVE_TOKEN_MEMORY_KB", _number(0.001, 1 << 20)),
     "max_items_per_request": ("SERVE_MAX_ITEMS_PER_REQUEST", _integer(1, 4096)),
     "max_body_bytes": ("SERVE_MAX_BODY_BYTES", _integer(1024, 1 << 30)),
+    "max_image_pixels": ("SERVE_MAX_IMAGE_PIXELS", _integer(1, PILLOW_MAX_IMAGE_PIXELS)),
     "max_queue": ("SERVE_MAX_QUEUE", _integer(1, 1_000_000)),
     "request_timeout_ms": ("SERVE_REQUEST_TIMEOUT_MS", _integer(1, 3_600_000)),
     "latency_budget_ms": ("SERVE_LATENCY_BUDGET_MS", _integer(0, 3_600_000)),

@@ -2,7 +2,10 @@
 
 Sizes are bounded before parsing (Flask's ``MAX_CONTENT_LENGTH`` refuses an
 oversized body as it streams in), and every item passes ``model.prepare`` before
-the request may reach a batch.
+the request may reach a batch. A model whose items are images (``item_kind``
+"image") also takes a raw body of one image (``image/jpeg``, ``image/png``,
+``image/webp``) and ``multipart/form-data``, one image a part
+(service.http.multipart); its ``prepare`` decodes the files.
 """
 
 from __future__ import annotations
@@ -11,14 +14,31 @@ from typing import Any
 
 import orjson
 
-from service.errors import BadRequest, InvalidInput, PayloadTooLarge, UnsupportedMediaType
+from service.errors import BadRequest, InvalidInput, PayloadTooLarge, ServeError, UnsupportedMediaType
+from service.http.multipart import MULTIPART, parse_parts
 from service.models.base import Model, Outputs, json_type
 
 JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
+IMAGE_ITEM_KIND = "image"
+# The media types of a raw body holding one image; the model decides which formats it decodes.
+IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp")
 
 
 def parse_inputs(body: bytes, content_type: str | None, model: Model, max_items: int) -> list[Any]:
     """The prepared items of a ``{"inputs": [...]}`` body; raises a ServeError naming the problem."""
+    if model.item_kind == IMAGE_ITEM_KIND:
+        mimetype = media_type(content_type)
+        if mimetype in IMAGE_TYPES:
+            if not body:
+                raise InvalidInput(f"the request body is empty; send the {mimetype} file's bytes")
+            return prepare_items([body], model, max_items)
+        if mimetype == MULTIPART:
+            return prepare_items(parse_parts(body, content_type or "", max_items), model, max_items)
+        if mimetype != "application/json":
+            raise UnsupportedMediaType(
+                f"Content-Type must be {', '.join(IMAGE_TYPES)} (one image), {MULTIPART} (images) "
+                f"or application/json (base64 images), got {mimetype or 'none'}"
+            )
     require_json(content_type)
     document = load_json(body, '{"inputs": [item, ...]}')
     if not isinstance(document, dict):
@@ -31,8 +51,13 @@ def parse_inputs(body: bytes, content_type: str | None, model: Model, max_items:
     return prepare_items(inputs, model, max_items)
 
 
+def media_type(content_type: str | None) -> str:
+    """The media type of a Content-Type header, without its parameters, in lower case."""
+    return (content_type or "").split(";", 1)[0].strip().lower()
+
+
 def require_json(content_type: str | None) -> None:
-    mimetype = (content_type or "").split(";", 1)[0].strip().lower()
+    mimetype = media_type(content_type)
     if mimetype != "application/json":
         raise UnsupportedMediaType(f"Content-Type must be application/json, got {mimetype or 'none'}")
 
@@ -64,6 +89,10 @@ def prepare_items(values: list[Any], model: Model, max_items: int, field: str = 
     for index, item in enumerate(values):
         try:
             prepared.append(model.prepare(item))
+        except ServeError as exc:
+            # A refusal with its own status (413 for an image of too many pixels,
+            # 415 for a format the model does not take) keeps it.
+            raise type(exc)(f"{field}[{index}]: {exc.message}") from None
         except ValueError as exc:
             raise InvalidInput(f"{field}[{index}]: {exc}") from None
     return prepared

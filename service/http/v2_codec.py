@@ -9,7 +9,9 @@ as a little-endian uint32 length followed by its bytes. Responses mirror this.
 
 The served model has one input and one output. A text model takes BYTES of
 shape [-1]; a rerank model BYTES of shape [-1, 2], a (query, document) row per
-item; a vector or tensor model FP32 of shape [-1, *item_shape]. Every item
+item; a vector or tensor model FP32 of shape [-1, *item_shape]; an image
+model BYTES of shape [-1], each element an encoded file (as binary data) or
+its base64 (as JSON, whose BYTES elements are strings). Every item
 still passes ``model.prepare`` (service.http.payload.prepare_items), so the
 checks and limits are those of /predict. A classifier's or a fill-mask
 model's outputs are structured (labels and scores, fills): each comes back as
@@ -56,7 +58,7 @@ class TensorSpec:
 
 def input_spec(model: Model) -> TensorSpec | None:
     """The model's input tensor, or None for items of a kind the protocol cannot carry."""
-    if model.item_kind == "text":
+    if model.item_kind in ("text", "image"):
         return TensorSpec(INPUT_NAME, "BYTES", (-1,))
     if model.item_kind == "text-pair":
         return TensorSpec(INPUT_NAME, "BYTES", (-1, 2))
@@ -183,8 +185,11 @@ def items(request: InferRequest, spec: TensorSpec, model: Model, max_items: int)
     shape = _shape(tensor.get("shape"), spec, where)
     check_count(shape[0], max_items, spec.name)
     count = math.prod(shape)
-    if spec.datatype == "BYTES":
-        values: list[Any] = _texts(request, count, where)
+    if spec.datatype == "BYTES" and model.item_kind == "image" and request.binary is not None:
+        # Encoded files, not text: prepare decodes each.
+        values: list[Any] = list(_unpack_bytes(request.binary, count, where))
+    elif spec.datatype == "BYTES":
+        values = _texts(request, count, where)
         if len(shape) == 2:  # rows of texts: a rerank model's (query, document) pairs
             values = [values[row * shape[1] : (row + 1) * shape[1]] for row in range(shape[0])]
     else:

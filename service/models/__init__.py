@@ -26,7 +26,7 @@ def load_model(settings: Settings, device: str) -> Model:
     if kind == "directory":
         from service.models.registry import load_directory
 
-        return load_directory(Path(spec), device)
+        return load_directory(Path(spec), device, settings.max_image_pixels)
     if kind == "file":
         from service.models.user import TorchFileModel
 

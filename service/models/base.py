@@ -11,6 +11,8 @@ with worked examples.
 
 from __future__ import annotations
 
+import base64
+import io
 import random
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypeAlias, runtime_checkable
@@ -83,7 +85,8 @@ SAMPLE_SENTENCE = "The quick brown fox jumps over the lazy dog near the quiet ri
 def sample_item(model_info: Mapping[str, Any], rng: random.Random | None = None) -> Any:
     """An item the model that ``model_info`` describes accepts (``describe``'s dict, /info's "model").
 
-    Benchmarks, the soak test and load tests all send these. Without ``rng`` it
+    Benchmarks, the soak test and load tests all send these (an image model's:
+    a base64 JPEG, as JSON carries it). Without ``rng`` it
     is always the same item; with one, a random item of the same kind and shape,
     for traffic that varies. Raises ``ValueError`` for a model whose items it
     cannot make up.
@@ -102,11 +105,41 @@ def sample_item(model_info: Mapping[str, Any], rng: random.Random | None = None)
         return text
     if kind in ("vector", "tensor") and shape:
         return _numbers(tuple(shape), rng)
+    if kind == "image":
+        return "data:image/jpeg;base64," + base64.b64encode(sample_jpeg(rng)).decode()
     hint = " (for a model file, set SERVE_ITEM_SHAPE)" if kind == "tensor" else ""
     raise ValueError(
         f"no sample item for model {model_info.get('name')!r}: its items are {kind!r} of shape "
         f"{shape}; sample items exist for 'text' and for 'vector' or 'tensor' of a known shape{hint}"
     )
+
+
+# A camera's frame, scaled down: every image model resizes it, as it would a photo.
+SAMPLE_IMAGE_SIZE = (320, 240)
+
+
+def sample_jpeg(rng: random.Random | None = None, size: tuple[int, int] = SAMPLE_IMAGE_SIZE) -> bytes:
+    """A JPEG of ``size`` (width, height): a colour gradient; with ``rng``, random colours and noise."""
+    from PIL import Image  # only the benchmarks and load tests make images
+
+    width, height = size
+    seed = rng.randrange(2**32) if rng is not None else 0
+    generator = np.random.default_rng(seed)
+    corners = (
+        generator.uniform(0, 255, size=(2, 2, 3))
+        if rng is not None
+        else np.array([[[255, 0, 0], [0, 255, 0]], [[0, 0, 255], [255, 255, 0]]], dtype=np.float64)
+    )
+    y = np.linspace(0, 1, height)[:, None, None]
+    x = np.linspace(0, 1, width)[None, :, None]
+    top = corners[0, 0] * (1 - x) + corners[0, 1] * x
+    bottom = corners[1, 0] * (1 - x) + corners[1, 1] * x
+    pixels = top * (1 - y) + bottom * y
+    if rng is not None:
+        pixels = pixels + generator.normal(0, 12, size=pixels.shape)
+    buffer = io.BytesIO()
+    Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), "RGB").save(buffer, "JPEG", quality=90)
+    return buffer.getvalue()
 
 
 def _text(rng: random.Random | None, shortest: int, longest: int) -> str:

@@ -20,8 +20,13 @@ KINDS = {
 }
 
 
-def load_directory(path: Path, device: str) -> Model:
-    """The model a Hugging Face directory holds, served by the kind its files call for."""
-    module, cls = KINDS[directory_task(path)]
+def load_directory(path: Path, device: str, max_image_pixels: int) -> Model:
+    """The model a directory holds, served by the kind its files call for."""
+    task = directory_task(path)
+    if task == "image":
+        from service.models.image import ImageModel
+
+        return ImageModel(path, device, max_image_pixels)
+    module, cls = KINDS[task]
     model: Model = getattr(importlib.import_module(module), cls)(path, device)
     return model

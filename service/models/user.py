@@ -73,6 +73,13 @@ class FactoryModel:
         return outputs
 
 
+def load_program(path: Path, device: str) -> Any:
+    """A TorchScript file, or a torch.export program (``.pt2``), on ``device``, ready to run."""
+    if path.suffix == ".pt2":
+        return torch.export.load(str(path)).module().to(device)
+    return torch.jit.load(str(path), map_location=device).eval()  # type: ignore[no-untyped-call]
+
+
 class TorchFileModel:
     task = GENERIC
     item_kind = "tensor"
@@ -83,10 +90,7 @@ class TorchFileModel:
         self.name = path.name
         self.item_shape = item_shape
         self.device = device
-        if path.suffix == ".pt2":
-            self._program = torch.export.load(str(path)).module().to(device)
-        else:
-            self._program = torch.jit.load(str(path), map_location=device).eval()  # type: ignore[no-untyped-call]
+        self._program = load_program(path, device)
 
     def prepare(self, item: Any) -> np.ndarray:
         return as_float_array(item, self.item_shape)

@@ -126,3 +126,43 @@ def _is_vector(item: Any) -> bool:
         return False
     with np.errstate(over="ignore"):
         return bool(np.isfinite(np.asarray(item, dtype=np.float64).astype(np.float32)).all())
+
+
+# -- image bodies, for an image model ---------------------------------------------------
+
+IMAGE_CONTENT_TYPES = ("image/jpeg", "image/png", "image/webp")
+
+
+def _image_seeds() -> list[bytes]:
+    from tests.support.images import animated, bomb, photo
+
+    return [
+        photo(1, (24, 18)),
+        photo(2, (20, 30), "PNG"),
+        photo(3, (16, 16), "WEBP"),
+        animated("PNG"),
+        animated("GIF"),
+        bomb(),
+    ]
+
+
+def _mutate(seed: bytes, cut: int, flips: list[tuple[int, int]]) -> bytes:
+    """``seed`` cut short at ``cut`` (a fraction in thousandths) with bytes overwritten at ``flips``."""
+    data = bytearray(seed[: max(0, len(seed) * cut // 1000)])
+    for position, value in flips:
+        if data:
+            data[position % len(data)] = value
+    return bytes(data)
+
+
+image_files = st.builds(
+    _mutate,
+    # Deferred: the seeds are made with Pillow (and the image module imports torch) on first use only.
+    st.deferred(lambda: st.sampled_from(_image_seeds())),
+    st.integers(0, 1000) | st.just(1000),
+    st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), max_size=8),
+)
+image_content_types = mostly(
+    st.sampled_from(IMAGE_CONTENT_TYPES),
+    st.sampled_from(["image/gif", "application/octet-stream", "text/plain", "", "image/jpeg; q=1"]),
+)
