@@ -28,41 +28,52 @@ DEVICE_MODES = ("auto", "cpu", "cuda")
 PILLOW_MAX_IMAGE_PIXELS = 89_478_485
 
 
-def _integer(lo: int, hi: int) -> Callable[[str, str], int]:
-    def parse(name: str, raw: str) -> int:
+@dataclass(frozen=True)
+class _Integer:
+    """Parses an integer from ``lo`` to ``hi``, both included (docs/settings.md states the range)."""
+
+    lo: int
+    hi: int
+
+    def __call__(self, name: str, raw: str) -> int:
         try:
             value = int(raw.strip())
         except ValueError:
             value = None
-        if value is None or not lo <= value <= hi:
-            raise SettingsError(f"{name} must be an integer from {lo} to {hi}, got {raw!r}")
+        if value is None or not self.lo <= value <= self.hi:
+            raise SettingsError(f"{name} must be an integer from {self.lo} to {self.hi}, got {raw!r}")
         return value
 
-    return parse
 
+@dataclass(frozen=True)
+class _Number:
+    """Parses a number from ``lo`` to ``hi``, both included (docs/settings.md states the range)."""
 
-def _number(lo: float, hi: float) -> Callable[[str, str], float]:
-    def parse(name: str, raw: str) -> float:
+    lo: float
+    hi: float
+
+    def __call__(self, name: str, raw: str) -> float:
         try:
             value = float(raw.strip())
         except ValueError:
             value = None
         # NaN fails both comparisons, so it is refused here too.
-        if value is None or not lo <= value <= hi:
-            raise SettingsError(f"{name} must be a number from {lo:g} to {hi:g}, got {raw!r}")
+        if value is None or not self.lo <= value <= self.hi:
+            raise SettingsError(f"{name} must be a number from {self.lo:g} to {self.hi:g}, got {raw!r}")
         return value
 
-    return parse
 
+@dataclass(frozen=True)
+class _Choice:
+    """Parses one of ``allowed``, in any case."""
 
-def _choice(*allowed: str) -> Callable[[str, str], str]:
-    def parse(name: str, raw: str) -> str:
+    allowed: tuple[str, ...]
+
+    def __call__(self, name: str, raw: str) -> str:
         value = raw.strip().lower()
-        if value not in allowed:
-            raise SettingsError(f"{name} must be one of {', '.join(allowed)}, got {raw!r}")
+        if value not in self.allowed:
+            raise SettingsError(f"{name} must be one of {', '.join(self.allowed)}, got {raw!r}")
         return value
-
-    return parse
 
 
 _SWITCH = {
@@ -165,7 +176,7 @@ class Settings:
     # models that report item sizes: what bounds a call's activation memory.
     max_batch_tokens: int = 8192
     # Activation memory one padded token needs in one model call, in KiB, as
-    # measured on the GPU (README, "Length-aware batches"); None: unknown, not checked.
+    # measured on the GPU (docs/batching.md); None: unknown, not checked.
     token_memory_kb: float | None = None
     max_items_per_request: int = 64
     max_body_bytes: int = 1 << 20
@@ -272,45 +283,46 @@ class Settings:
         return dataclasses.replace(self, **changes)
 
 
-# field name -> (environment variable, parser); the README's settings table follows this order.
+# field name -> (environment variable, parser). docs/settings.md has a row for each, with its
+# default and range; tests/unit/test_settings_docs.py keeps the two in step.
 _FIELDS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "model": ("SERVE_MODEL", _text),
-    "max_batch_size": ("SERVE_MAX_BATCH_SIZE", _integer(1, 4096)),
-    "max_batch_delay_ms": ("SERVE_MAX_BATCH_DELAY_MS", _number(0, 10_000)),
-    "batch_gather": ("SERVE_BATCH_GATHER", _choice(*BATCH_GATHER_POLICIES)),
-    "max_batch_tokens": ("SERVE_MAX_BATCH_TOKENS", _integer(1, 1 << 24)),
-    "token_memory_kb": ("SERVE_TOKEN_MEMORY_KB", _number(0.001, 1 << 20)),
-    "max_items_per_request": ("SERVE_MAX_ITEMS_PER_REQUEST", _integer(1, 4096)),
-    "max_body_bytes": ("SERVE_MAX_BODY_BYTES", _integer(1024, 1 << 30)),
-    "max_image_pixels": ("SERVE_MAX_IMAGE_PIXELS", _integer(1, PILLOW_MAX_IMAGE_PIXELS)),
-    "max_queue": ("SERVE_MAX_QUEUE", _integer(1, 1_000_000)),
-    "request_timeout_ms": ("SERVE_REQUEST_TIMEOUT_MS", _integer(1, 3_600_000)),
-    "latency_budget_ms": ("SERVE_LATENCY_BUDGET_MS", _integer(0, 3_600_000)),
-    "stall_timeout_ms": ("SERVE_STALL_TIMEOUT_MS", _integer(100, 86_400_000)),
-    "mlp_width": ("SERVE_MLP_WIDTH", _integer(1, 65_536)),
-    "mlp_depth": ("SERVE_MLP_DEPTH", _integer(1, 1024)),
-    "mlp_seed": ("SERVE_MLP_SEED", _integer(0, 2**31 - 1)),
+    "max_batch_size": ("SERVE_MAX_BATCH_SIZE", _Integer(1, 4096)),
+    "max_batch_delay_ms": ("SERVE_MAX_BATCH_DELAY_MS", _Number(0, 10_000)),
+    "batch_gather": ("SERVE_BATCH_GATHER", _Choice(BATCH_GATHER_POLICIES)),
+    "max_batch_tokens": ("SERVE_MAX_BATCH_TOKENS", _Integer(1, 1 << 24)),
+    "token_memory_kb": ("SERVE_TOKEN_MEMORY_KB", _Number(0.001, 1 << 20)),
+    "max_items_per_request": ("SERVE_MAX_ITEMS_PER_REQUEST", _Integer(1, 4096)),
+    "max_body_bytes": ("SERVE_MAX_BODY_BYTES", _Integer(1024, 1 << 30)),
+    "max_image_pixels": ("SERVE_MAX_IMAGE_PIXELS", _Integer(1, PILLOW_MAX_IMAGE_PIXELS)),
+    "max_queue": ("SERVE_MAX_QUEUE", _Integer(1, 1_000_000)),
+    "request_timeout_ms": ("SERVE_REQUEST_TIMEOUT_MS", _Integer(1, 3_600_000)),
+    "latency_budget_ms": ("SERVE_LATENCY_BUDGET_MS", _Integer(0, 3_600_000)),
+    "stall_timeout_ms": ("SERVE_STALL_TIMEOUT_MS", _Integer(100, 86_400_000)),
+    "mlp_width": ("SERVE_MLP_WIDTH", _Integer(1, 65_536)),
+    "mlp_depth": ("SERVE_MLP_DEPTH", _Integer(1, 1024)),
+    "mlp_seed": ("SERVE_MLP_SEED", _Integer(0, 2**31 - 1)),
     "item_shape": ("SERVE_ITEM_SHAPE", _shape),
     "bind": ("SERVE_BIND", _bind),
     "forwarded_allow_ips": ("SERVE_FORWARDED_ALLOW_IPS", _networks),
-    "workers": ("SERVE_WORKERS", _integer(1, 1024)),
-    "threads": ("SERVE_THREADS", _integer(1, 10_000)),
-    "torch_threads": ("SERVE_TORCH_THREADS", _integer(1, 1024)),
-    "worker_class": ("SERVE_WORKER_CLASS", _choice(*WORKER_CLASSES)),
-    "worker_connections": ("SERVE_WORKER_CONNECTIONS", _integer(1, 100_000)),
+    "workers": ("SERVE_WORKERS", _Integer(1, 1024)),
+    "threads": ("SERVE_THREADS", _Integer(1, 10_000)),
+    "torch_threads": ("SERVE_TORCH_THREADS", _Integer(1, 1024)),
+    "worker_class": ("SERVE_WORKER_CLASS", _Choice(WORKER_CLASSES)),
+    "worker_connections": ("SERVE_WORKER_CONNECTIONS", _Integer(1, 100_000)),
     "balance_connections": ("SERVE_BALANCE_CONNECTIONS", _switch),
-    "max_requests": ("SERVE_MAX_REQUESTS", _integer(0, 1 << 31)),
-    "onednn_cache": ("SERVE_ONEDNN_CACHE", _integer(0, 1 << 20)),
+    "max_requests": ("SERVE_MAX_REQUESTS", _Integer(0, 1 << 31)),
+    "onednn_cache": ("SERVE_ONEDNN_CACHE", _Integer(0, 1 << 20)),
     "devices": ("SERVE_DEVICES", _devices),
-    "workers_per_device": ("SERVE_WORKERS_PER_DEVICE", _integer(1, 256)),
-    "gpu_memory_per_worker_mb": ("SERVE_GPU_MEMORY_PER_WORKER_MB", _integer(1, 16_777_216)),
-    "gpu_memory_fraction": ("SERVE_GPU_MEMORY_FRACTION", _number(0.01, 1)),
-    "gpu_context_mb": ("SERVE_GPU_CONTEXT_MB", _integer(0, 65_536)),
-    "log_format": ("SERVE_LOG_FORMAT", _choice(*LOG_FORMATS)),
+    "workers_per_device": ("SERVE_WORKERS_PER_DEVICE", _Integer(1, 256)),
+    "gpu_memory_per_worker_mb": ("SERVE_GPU_MEMORY_PER_WORKER_MB", _Integer(1, 16_777_216)),
+    "gpu_memory_fraction": ("SERVE_GPU_MEMORY_FRACTION", _Number(0.01, 1)),
+    "gpu_context_mb": ("SERVE_GPU_CONTEXT_MB", _Integer(0, 65_536)),
+    "log_format": ("SERVE_LOG_FORMAT", _Choice(LOG_FORMATS)),
     "api_token": ("SERVE_API_TOKEN", _text),
-    "worker_slot": ("SERVE_WORKER_SLOT", _integer(0, 100_000)),
+    "worker_slot": ("SERVE_WORKER_SLOT", _Integer(0, 100_000)),
     "worker_device": ("SERVE_WORKER_DEVICE", _device),
-    "worker_gpu_memory_fraction": ("SERVE_WORKER_GPU_MEMORY_FRACTION", _number(0.001, 1)),
+    "worker_gpu_memory_fraction": ("SERVE_WORKER_GPU_MEMORY_FRACTION", _Number(0.001, 1)),
     # prometheus_client's own variable: it must be in the environment before
     # prometheus_client is imported, so it keeps its name.
     "prometheus_multiproc_dir": ("PROMETHEUS_MULTIPROC_DIR", _text),
@@ -326,7 +338,7 @@ def _refuse_unknown(env: Mapping[str, str]) -> None:
     for name in sorted(env):
         if name.startswith(_PREFIX) and name not in known:
             close = difflib.get_close_matches(name, known, n=1)
-            hint = f"did you mean {close[0]}?" if close else "the README's settings table lists them"
+            hint = f"did you mean {close[0]}?" if close else "docs/settings.md lists them"
             raise SettingsError(f"{name} is not a setting; {hint}")
 
 

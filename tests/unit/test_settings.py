@@ -117,7 +117,7 @@ def test_forwarded_allow_ips_refuses_what_gunicorn_cannot_parse(value: str) -> N
             "SERVE_REQUEST_TIMEOUT",
             "SERVE_REQUEST_TIMEOUT is not a setting; did you mean SERVE_REQUEST_TIMEOUT_MS?",
         ),
-        ("SERVE_XYZZY", "SERVE_XYZZY is not a setting; the README's settings table lists them"),
+        ("SERVE_XYZZY", "SERVE_XYZZY is not a setting; docs/settings.md lists them"),
     ],
 )
 def test_an_unknown_serve_variable_is_refused_naming_the_closest_setting(variable: str, message: str) -> None:
