@@ -15,7 +15,7 @@ With --corpus (a text model's real traffic, one text per line) it also runs the 
 of SERVE_MAX_BATCH_SIZE texts, sorted by length and cut by the batcher's cost model, under padded-
 token budgets from 256 up, on the best split, and recommends the smallest SERVE_MAX_BATCH_TOKENS
 that reaches 95% of the best throughput: a smaller budget bounds each call's activation memory,
-and on a GPU that is what each worker's memory share must hold (see the README, "Worker topology").
+and on a GPU that is what each worker's memory share must hold (see docs/topology.md).
 """
 
 from __future__ import annotations

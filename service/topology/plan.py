@@ -3,7 +3,7 @@
 ``plan(settings, inventory)`` is pure: the same settings and machine always give
 the same plan, so it is unit-tested on fake machines and shown without starting
 anything by ``python -m service.topology``. ``gunicorn_conf.py`` only applies it.
-Each rule's reason is in the README ("Worker topology") and in the plan's table.
+Each rule's reason is in docs/topology.md and in the plan's table.
 """
 
 from __future__ import annotations

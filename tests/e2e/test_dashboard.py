@@ -1,6 +1,6 @@
-"""The Locust dashboard in a real browser: started as the README says, driven through its UI.
+"""The Locust dashboard in a real browser: started as docs/load-tests.md says, driven through its UI.
 
-The service runs the README's default model; ``bash scripts/dashboard`` opens Locust's web
+The service runs the default model; ``bash scripts/dashboard`` opens Locust's web
 UI on it; headless Chromium picks the StepLoad shape with both user classes and starts it,
 so that each route takes its turn at each user count.
 Screenshots go to test-artifacts/dashboard/ (ignored by git), also when the test fails.

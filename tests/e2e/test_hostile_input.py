@@ -151,7 +151,7 @@ def test_hostile_requests_do_not_grow_the_worker_with_their_number(server: Serve
         for body, content_type in corpus:
             for route in ROUTES:
                 # A new connection each: after refusing a body it did not read, gunicorn
-                # closes the connection rather than read the rest (see the README).
+                # closes the connection rather than read the rest (see docs/reliability.md, "Hostile input").
                 headers = {"Content-Type": content_type} if content_type else {}
                 assert 400 <= server.post(route, data=body, headers=headers).status_code < 500
         rss.append(rss_bytes(pid) or 0)

@@ -183,7 +183,7 @@ def test_sigterm_finishes_every_queued_and_running_request(worker_class: str) ->
         # The clients keep their connections alive. gthread lets a stopping worker's idle
         # kept-alive connections linger 2 s at most; gevent keeps them open until
         # `keepalive` runs out, so the master kills that worker at graceful_timeout, once
-        # it has answered everything (see the README).
+        # it has answered everything (see docs/reliability.md, "Graceful shutdown").
         if worker_class == "gthread":
             assert server.process.wait(30) == 0
             assert "Batcher drained" in server.log()
