@@ -110,7 +110,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--seconds", type=float, default=600, help="seconds of load (default 600)")
-    parser.add_argument("--clients", type=int, default=32, help="closed-loop clients (default 32)")
+    parser.add_argument("--clients", type=int, default=64, help="closed-loop clients (default 64)")
     parser.add_argument("--worker-class", default="gthread", choices=("gthread", "gevent"))
     parser.add_argument("--sample", type=float, default=10, help="seconds between RSS samples (default 10)")
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for the service (repeatable)")
