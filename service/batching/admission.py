@@ -143,11 +143,23 @@ class AdmissionRule:
     def standing_queue(self) -> StandingQueue:
         return StandingQueue(self.door_target_s, interval_s=self.door_target_s)
 
-    def decide(self, waited_s: float, predicted_s: float, standing: bool = False) -> Refusal | None:
+    def decide(
+        self, waited_s: float, predicted_s: float, standing: bool = False, returning: bool = False
+    ) -> Refusal | None:
         """None to admit, else why not.
 
         ``waited_s``: since the request arrived; ``predicted_s``: predict_wait's
-        answer; ``standing``: StandingQueue's verdict on the wait before the handler.
+        answer; ``standing``: StandingQueue's verdict on the wait before the handler;
+        ``returning``: the request comes from a client refused before, whose
+        connection was held for its Retry-After (service.host.hold).
+
+        A returning request is admitted while the work ahead fits the whole
+        budget, a fresh one only while it fits with PREDICTION_MARGIN to spare.
+        Under sustained overload the queue then settles between the two, where
+        only returning clients get in: a client just served and resending at
+        once is refused and held in its turn. Without the difference the
+        clients served first keep their places, and the others are refused for
+        as long as the overload lasts.
         """
         if waited_s >= self.budget_s or (standing and waited_s >= self.door_target_s):
             limit = self.budget_s if waited_s >= self.budget_s else self.door_target_s
@@ -156,7 +168,8 @@ class AdmissionRule:
                 f"the {limit * 1000:.0f} ms it may wait there; the service is overloaded, retry shortly",
                 1,
             )
-        if waited_s + PREDICTION_MARGIN * predicted_s > self.budget_s:
+        margin = 1.0 if returning else PREDICTION_MARGIN
+        if waited_s + margin * predicted_s > self.budget_s:
             return Refusal(
                 f"the work queued ahead would take about {predicted_s * 1000:.0f} ms, past the "
                 f"{self.budget_s * 1000:.0f} ms latency budget; the service is overloaded, retry shortly",

@@ -226,11 +226,14 @@ class Batcher:
         with self._lock:
             return predict_wait(self._meter.outstanding, self._meter.seconds_per_request)
 
-    def submit(self, items: list[Any], deadline: float, arrived: float | None = None) -> Pending:
+    def submit(
+        self, items: list[Any], deadline: float, arrived: float | None = None, returning: bool = False
+    ) -> Pending:
         """Queue a request, or refuse it (503) when the queue is full or it cannot be answered in time.
 
         ``arrived``: when the request reached the service (monotonic), for the
-        latency budget; None counts from now.
+        latency budget; None counts from now. ``returning``: its client was
+        refused before and waited (AdmissionRule.decide).
         """
         # Sized here, in the request thread, so the batch thread only sorts.
         sizes = None if self._sizer is None else [self._sizer(item) for item in items]
@@ -250,6 +253,7 @@ class Batcher:
                 refusal = self._admission.decide(
                     waited,
                     predict_wait(self._meter.outstanding, self._meter.seconds_per_request),
+                    returning=returning,
                 )
                 if refusal is not None:
                     raise Overloaded(refusal.message, refusal.retry_after_s, reason="over_budget")

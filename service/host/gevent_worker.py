@@ -12,7 +12,7 @@ so a native ``subprocess`` costs the event loop nothing.
 
 It also holds a refused client's connection for the Retry-After it was told
 before reading its next request (service.host.hold): the connection's greenlet
-sleeps, which holds no thread.
+waits, which holds no thread.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from typing import Any
 import gevent
 from gevent import monkey
 from gevent.local import local
+from gevent.socket import wait_read
 from gunicorn.workers.ggevent import GeventWorker as _GeventWorker
 
-from service.host.hold import data_waiting
+from service.host.hold import peek
 from service.host.worker import StampedApp
 
 
@@ -34,7 +35,9 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
     sockets: list[Any]
     wsgi: Any
     alive: bool
-    _requests: Any  # one per connection's greenlet: its arrival stamp and the door's hold
+    _requests: (
+        Any  # one per connection's greenlet: the hold its last answer asked for, and whether it was held
+    )
 
     def patch(self) -> None:
         monkey.patch_all(subprocess=False)
@@ -50,15 +53,23 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
 
     def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> None:
         requests = self._requests
-        requests.at, requests.next_at = getattr(requests, "next_at", None), None
         requests.hold_s = 0.0
         try:
             super().handle_request(listener_name, req, sock, addr)  # raises to close the connection
         finally:
-            requests.at = None
+            requests.returning = False
         if requests.hold_s > 0 and self.alive:
-            began = time.monotonic()
-            gevent.sleep(requests.hold_s)
-            # Sent during the hold: it arrived when the hold began, at the latest.
-            if data_waiting(sock):
-                requests.next_at = began
+            wait_out(sock, requests.hold_s)
+            requests.returning = True  # for the request it reads next
+
+
+def wait_out(sock: Any, seconds: float) -> None:
+    """Leave ``sock`` unread for ``seconds``, or until its client hangs up (the caller then reads the end)."""
+    end = time.monotonic() + seconds
+    try:
+        wait_read(sock.fileno(), timeout=seconds)
+    except TimeoutError:
+        return
+    if peek(sock) == "sent":
+        # Its resend waits in the socket; the rest of the hold needs no watching.
+        gevent.sleep(max(0.0, end - time.monotonic()))

@@ -1,11 +1,12 @@
 # design:
 # - gthread: the event loop (the worker's main thread) alone owns HeldConnections.
-#   A request thread only marks its connection with the hold the door asked
+#   A request thread only marks its connection with the hold that was asked
 #   for; the loop's finish_request, which would put a kept-alive connection back
-#   in its poller, parks it here instead, and the loop releases it when due,
-#   before it next waits for events. No thread waits out a hold.
-# - gevent: the connection's own greenlet sleeps the hold out before it reads
-#   the next request; a sleeping greenlet holds no thread.
+#   in its poller for its next request, parks it here instead, watched only for
+#   a hang-up, and the loop releases it when due, before it next waits for
+#   events. No thread waits out a hold.
+# - gevent: the connection's own greenlet waits the hold out, woken early only
+#   by a hang-up, before it reads the next request; it holds no thread.
 
 """Holding a refused client's connection before reading its next request, without holding a thread.
 
@@ -20,17 +21,20 @@ So when the door refuses a request that came straight from its client
 (service.http.door), the worker leaves that connection unread for the
 Retry-After it sent. A client that honours the header sees no difference; one
 that resends at once waits as if it had honoured it, and its resend costs
-nothing until then. If the next request was already waiting when the hold
-ends, it is stamped as having arrived when the hold began, so the door counts
-the hold toward its latency budget: a request is admitted only if it can still
-be answered in time, counted from when it was sent.
+nothing until then. The resend counts as arriving when the hold ends, when the
+worker could first read it, so it is judged as a request from a client that
+honoured the header: counting the hold toward its latency budget would refuse
+it again however idle the service, and lock such a client out. A client that
+hangs up during the hold is let go at once (gthread watches the held socket;
+gevent's greenlet waits on it), so it does not keep its place among the
+worker's connections.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-import select
+import socket
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -64,10 +68,17 @@ class HeldConnections(Generic[T]):
         return released
 
 
-def data_waiting(sock: Any) -> bool:
-    """Whether the client has sent more (or closed) since its last answer, without reading it."""
+def peek(sock: Any) -> str | None:
+    """What the client did since its last answer, read without taking it from the socket.
+
+    "closed" (it hung up, or the connection broke), "sent" (its next request is
+    waiting), or None (nothing yet). For a socket the poller or the hub has
+    reported readable; it never blocks.
+    """
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
-    except (OSError, ValueError):
-        return False  # closed under us: the server finds out when it reads
-    return bool(readable)
+        data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError:
+        return "closed"
+    return "sent" if data else "closed"

@@ -28,13 +28,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 from gunicorn.workers.gthread import ThreadWorker
 
 from service.host.balance import Balance
-from service.host.hold import HeldConnections, data_waiting
-from service.http.arrival import ARRIVAL_ENVIRON_KEY, HOLD_ENVIRON_KEY
+from service.host.hold import HeldConnections, peek
+from service.http.arrival import ARRIVAL_ENVIRON_KEY, HOLD_ENVIRON_KEY, RETURNING_ENVIRON_KEY
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
@@ -70,19 +71,18 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         self.wsgi = StampedApp(self.wsgi, self._arrivals)
 
     def enqueue_req(self, conn: Any) -> None:
-        # A request that waited out a hold arrived when the hold began, at the latest.
-        held_since = getattr(conn, "serve_held_since", None)
-        conn.serve_held_since = None
-        conn.serve_arrived = time.monotonic() if held_since is None else held_since
+        conn.serve_arrived = time.monotonic()
         super().enqueue_req(conn)
 
     def handle(self, conn: Any) -> Any:
         self._arrivals.at = getattr(conn, "serve_arrived", None)
+        self._arrivals.returning, conn.serve_returning = getattr(conn, "serve_returning", False), False
         self._arrivals.hold_s = 0.0
         try:
             return super().handle(conn)
         finally:
             self._arrivals.at = None
+            self._arrivals.returning = False
             conn.serve_hold_s = self._arrivals.hold_s
 
     def finish_request(self, conn: Any, fs: Future[Any]) -> None:
@@ -93,8 +93,25 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         kept_alive = not fs.cancelled() and fs.exception() is None and fs.result() is True
         if hold_s > 0 and self.alive and kept_alive:
             self._held.hold((conn, fs), time.monotonic(), hold_s)
+            # Watched while held, so that a client that closes is let go at once
+            # rather than keep its place among the worker's connections.
+            conn.serve_held = "watched"
+            self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._held_readable, conn))
             return
         super().finish_request(conn, fs)
+
+    def _held_readable(self, conn: Any, _sock: Any) -> None:
+        said = peek(conn.sock)
+        if said is None:
+            return
+        self.poller.unregister(conn.sock)
+        if said == "closed":
+            conn.serve_held = "gone"
+            self.nr_conns -= 1
+            conn.close()
+        else:
+            # Its resend waits in the socket until the hold ends; watching on would spin.
+            conn.serve_held = "sent"
 
     def wait_for_and_dispatch_events(self, timeout: float) -> None:
         wait = self._held.seconds_to_next(time.monotonic())
@@ -103,10 +120,16 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
 
     def _release_held(self) -> None:
         # A stopping worker lets every held connection go: its next request is
-        # answered with "Connection: close", as gthread answers any then.
-        for (conn, fs), since in self._held.due(time.monotonic(), everything=not self.alive):
-            if conn.parser.unreader.buf.getvalue() or data_waiting(conn.sock):
-                conn.serve_held_since = since
+        # answered with "Connection: close", as gthread answers any then. A resend
+        # counts from here, when the worker could first read it: a client that
+        # ignored Retry-After is judged as one that honoured it.
+        for (conn, fs), _ in self._held.due(time.monotonic(), everything=not self.alive):
+            held, conn.serve_held = conn.serve_held, None
+            if held == "gone":
+                continue
+            if held == "watched":
+                self.poller.unregister(conn.sock)
+            conn.serve_returning = True
             super().finish_request(conn, fs)
 
     def run(self) -> None:
@@ -140,6 +163,8 @@ class StampedApp:
         arrived = getattr(self._arrivals, "at", None)
         if arrived is not None:
             environ[ARRIVAL_ENVIRON_KEY] = arrived
+        if getattr(self._arrivals, "returning", False):
+            environ[RETURNING_ENVIRON_KEY] = True
         answer = self._app(environ, start_response)
         self._arrivals.hold_s = environ.get(HOLD_ENVIRON_KEY, 0.0)
         return answer

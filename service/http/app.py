@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 
-from flask import Flask, Response, g
+from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from service.errors import Overloaded, ServeError, Unauthorized
 from service.http import access, openai_api, rerank, v2
+from service.http.arrival import ask_to_hold
 from service.http.door import Door
 from service.http.routes import bp
 from service.http.shapes import error_response
@@ -55,6 +56,9 @@ def _register_error_handlers(app: Flask, settings: Settings, metrics: Metrics) -
         response = error_response(exc.status, exc.message, exc)
         if isinstance(exc, Overloaded):
             response.headers["Retry-After"] = str(exc.retry_after_s)
+            # Refused by the batcher (queue full, over the budget once queued), on any
+            # protocol's route: held as the door's refusals are.
+            ask_to_hold(request.environ, exc.retry_after_s)
         if isinstance(exc, Unauthorized):
             response.headers["WWW-Authenticate"] = 'Bearer realm="predict"'
         return response

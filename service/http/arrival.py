@@ -16,9 +16,16 @@ from __future__ import annotations
 # The monotonic time the worker stamped, then the arrival the door settled on.
 ARRIVAL_ENVIRON_KEY = "serve.arrived"
 
-# Seconds the worker holds a connection after the door refused a request on it,
-# before it reads the next one (service.host.hold); absent: no hold.
+# Seconds the worker holds a connection after a request on it was refused with
+# 503, before it reads the next one (service.host.hold); absent: no hold.
 HOLD_ENVIRON_KEY = "serve.hold_s"
+# Set by the worker on the first request it reads after a hold: its client was
+# refused before and waited, and the admission rule lets it in first.
+RETURNING_ENVIRON_KEY = "serve.returning"
+# The longest hold: long enough that an immediate resender costs a refusal a
+# second at most, short enough that a connection its client closed meanwhile
+# is not kept long, whatever Retry-After a slow model's queue asks for.
+MAX_HOLD_S = 2.0
 
 # A proxy's stamp implying a longer wait than this is a clock out of step (or
 # made up), not a request that waited: it is ignored rather than trusted to
@@ -63,3 +70,19 @@ def settle_wait(worker_stamp: object, now: float, proxy_waited: float) -> float:
     """
     own = now - worker_stamp if isinstance(worker_stamp, float) else 0.0
     return max(0.0, own, proxy_waited)
+
+
+def ask_to_hold(environ: dict[str, object], retry_after_s: float) -> None:
+    """Ask the worker to hold this connection after its 503, for a client that came straight to it.
+
+    A refused client's connection is left unread for its Retry-After (at most
+    MAX_HOLD_S; service.host.hold): a client that resends at once then waits as
+    one that honours the header does, and costs one refusal a second instead of
+    thousands. A proxy's kept-alive connection carries other clients' requests
+    too, so holding it would delay them: a request with ``X-Forwarded-For`` or
+    ``X-Request-Start`` (nginx sends both, deploy/nginx.conf) is not held, and
+    the proxy's own limits apply there.
+    """
+    if "HTTP_X_REQUEST_START" in environ or "HTTP_X_FORWARDED_FOR" in environ:
+        return
+    environ[HOLD_ENVIRON_KEY] = min(float(retry_after_s), MAX_HOLD_S)

@@ -26,7 +26,7 @@ connection can carry the client's next request). For the predict routes it
   and it waited past a tenth of the budget there (service.batching.admission);
 - asks the worker, for a refusal to a client that came straight to it, to hold
   the connection for the Retry-After it was told before reading the next
-  request on it (``HOLD_ENVIRON_KEY``; service.host.hold).
+  request on it (service.http.arrival.ask_to_hold; service.host.hold).
 
 Other paths pass straight through. The batcher checks the budget again when
 the request is queued: many requests can pass the door together.
@@ -44,7 +44,13 @@ import orjson
 from service.batching import native
 from service.errors import Overloaded
 from service.http.access import REQUEST_ID_HEADER, request_id
-from service.http.arrival import ARRIVAL_ENVIRON_KEY, HOLD_ENVIRON_KEY, proxy_wait, settle_wait
+from service.http.arrival import (
+    ARRIVAL_ENVIRON_KEY,
+    RETURNING_ENVIRON_KEY,
+    ask_to_hold,
+    proxy_wait,
+    settle_wait,
+)
 
 if TYPE_CHECKING:
     from service.metrics import Metrics
@@ -84,7 +90,8 @@ class Door:
         predicted = batcher.predicted_wait() if batcher is not None else 0.0
         with self._lock:
             standing = self._standing.standing(waited, now)
-        refusal = self._runtime.admission.decide(waited, predicted, standing)
+        returning = bool(environ.get(RETURNING_ENVIRON_KEY))
+        refusal = self._runtime.admission.decide(waited, predicted, standing, returning)
         if refusal is None:
             return self._app(environ, start_response)
         self._metrics.count_error(Overloaded(refusal.message, reason="over_budget"))
@@ -100,22 +107,8 @@ class Door:
         )
         # Counted with the other answers, so 503s add up in serve_http_requests_total.
         self._metrics.observe_request(path, 503, time.monotonic() - now)
-        if not _proxied(environ):
-            environ[HOLD_ENVIRON_KEY] = float(refusal.retry_after_s)
+        ask_to_hold(environ, refusal.retry_after_s)
         return _Refusal(body, environ.get("wsgi.input"), self._runtime.settings.max_body_bytes)
-
-
-def _proxied(environ: dict[str, Any]) -> bool:
-    """Whether the request came through a proxy, whose connection carries other clients' requests too.
-
-    A refused client's connection is held for its Retry-After before the worker
-    reads from it again (service.host.hold): a client that resends at once then
-    waits as one that honours the header does, and costs one refusal a second
-    instead of thousands. A proxy's kept-alive connection is shared, so holding
-    it would delay other clients; the proxy's own limits apply there
-    (deploy/nginx.conf).
-    """
-    return "HTTP_X_REQUEST_START" in environ or "HTTP_X_FORWARDED_FOR" in environ
 
 
 class _Refusal:

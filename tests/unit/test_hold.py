@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from service.host.hold import HeldConnections, data_waiting
+from service.host.hold import HeldConnections, peek
 
 
 def test_connections_come_back_in_the_order_their_holds_end_with_when_each_began() -> None:
@@ -29,10 +29,14 @@ def test_a_stopping_worker_lets_every_hold_go_at_once() -> None:
     assert [item for item, _ in held.due(0.1, everything=True)] == [0, 1, 2]
 
 
-def test_data_waiting_sees_a_resend_without_reading_it() -> None:
+def test_peek_tells_a_resend_from_a_hang_up_without_reading_either() -> None:
     server, client = socket.socketpair()
     with server, client:
-        assert not data_waiting(server)
+        assert peek(server) is None  # nothing yet
         client.sendall(b"POST /predict HTTP/1.1\r\n")
-        assert data_waiting(server)
+        assert peek(server) == "sent"
         assert server.recv(4, socket.MSG_PEEK) == b"POST"  # still there for the parser
+    quiet, hanging = socket.socketpair()
+    with quiet:
+        hanging.close()
+        assert peek(quiet) == "closed"
