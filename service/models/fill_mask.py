@@ -28,6 +28,10 @@ from service.models.hf import (
 )
 
 TOP_K = 5
+# Each mask is answered with TOP_K whole sequences, each decoded in the batch
+# thread: a text of hundreds of masks would hold every other request's batch
+# for seconds and answer with megabytes. Fill-mask is a word or a few.
+MAX_MASKS = 16
 
 
 class MaskedLMModel:
@@ -43,6 +47,10 @@ class MaskedLMModel:
         self.device = device
         self._tokenizer = load_tokenizer(path)
         self._model = AutoModelForMaskedLM.from_pretrained(str(path), local_files_only=True).eval().to(device)
+        if self._tokenizer.mask_token_id is None:
+            raise ValueError(
+                f"{path}: config.json names a masked language model, but its tokenizer has no mask token"
+            )
         self.mask_token: str = self._tokenizer.mask_token
         self._mask_id: int = self._tokenizer.mask_token_id
         self._max_length = position_limit(self._tokenizer, self._model.config)
@@ -55,6 +63,9 @@ class MaskedLMModel:
             raise ValueError(
                 f"the text has no {self.mask_token}; put {self.mask_token} where a word is to be filled"
             )
+        masks = tokens.ids.count(self._mask_id)
+        if masks > MAX_MASKS:
+            raise ValueError(f"the text has {masks} {self.mask_token} tokens; the limit is {MAX_MASKS}")
         if len(tokens.ids) > self._max_length:
             raise ValueError(
                 f"the text is {len(tokens.ids)} tokens; the model takes at most {self._max_length}"

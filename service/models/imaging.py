@@ -170,6 +170,19 @@ class ImagePreprocessor:
             image = image.convert("RGB")
         if spec.resize is not None:
             size = resized(image.size, spec.resize)
+            # A long thin image within the pixel limit can ask for a resize
+            # far beyond it (16x1,000,000 with its short side scaled to 256 is
+            # 4 billion pixels): the limit holds for what the resize makes too.
+            if size[0] < 1 or size[1] < 1:
+                raise ImageError(
+                    f"the image is {image.size[0]}x{image.size[1]} pixels; resized for the model "
+                    f"it would have no pixels (its sides are too far apart)"
+                )
+            if size[0] * size[1] > self.max_pixels:
+                raise PayloadTooLarge(
+                    f"the image is {image.size[0]}x{image.size[1]} pixels; resized for the model it "
+                    f"would be {size[0]}x{size[1]}: " + self._too_large_message()
+                )
             if size != image.size:
                 image = image.resize(size, _RESAMPLING[spec.interpolation])
         if spec.center_crop is not None:

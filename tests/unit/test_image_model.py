@@ -15,7 +15,7 @@ import pytest
 from flask.testing import FlaskClient
 from PIL import Image
 
-from service.errors import SettingsError
+from service.errors import PayloadTooLarge, SettingsError
 from service.image_spec import ImageSpec
 from service.model_spec import check_spec, directory_task
 from service.models.imaging import ImagePreprocessor, crop_box, resized
@@ -339,3 +339,13 @@ def test_sample_items_for_an_image_model_are_jpegs_it_takes(image_client: FlaskC
     assert fixed.startswith("data:image/jpeg;base64,") and fixed != varied
     response = image_client.post("/predict", json={"inputs": [fixed, varied]})
     assert response.status_code == 200, response.get_data(as_text=True)
+
+
+def test_a_long_thin_image_is_refused_before_its_resize_makes_more_pixels_than_the_limit() -> None:
+    # 2x5000 is 10,000 pixels, within the limit; its short side scaled to 256 would be
+    # 256x640,000, 16,384 times more.
+    thin = io.BytesIO()
+    Image.new("RGB", (2, 5000), (90, 120, 150)).save(thin, "PNG")
+    preprocess = ImagePreprocessor(ImageSpec(resize=256, center_crop=(224, 224)), max_pixels=10_000)
+    with pytest.raises(PayloadTooLarge, match=r"2x5000 pixels; resized for the model it would be 256x640000"):
+        preprocess(thin.getvalue())

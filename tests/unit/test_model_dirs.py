@@ -147,6 +147,7 @@ def test_fill_mask_equals_the_pipeline(
     [
         ("fill-mask", ["Paris is the capital of France."], "inputs[0]: the text has no [MASK]"),
         ("fill-mask", ["[MASK] " + "word " * 600], "inputs[0]: the text is 60"),
+        ("fill-mask", ["[MASK] " * 17], "inputs[0]: the text has 17 [MASK] tokens; the limit is 16"),
         ("rerank", [["query", 7]], "inputs[0]: the document must be a string, got number"),
         ("rerank", ["just one text"], "inputs[0]: expected a [query, document] pair"),
         ("classification", [["not", "a text"]], "inputs[0]: expected a string, got array"),
