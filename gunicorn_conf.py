@@ -8,6 +8,7 @@ import torch or touch CUDA: each worker builds its model in ``wsgi.create_app()`
 Each hook below calls one helper per concern; add a concern by adding a line.
 """
 
+import dataclasses
 import os
 import sys
 
@@ -17,7 +18,7 @@ from service.host.balance import Balance, ConnectionShares
 from service.host.slots import SlotTable
 from service.host.worker import BalancedThreadWorker
 from service.logs import logging_config
-from service.model_spec import check_spec
+from service.model_spec import check_spec, default_onednn_cache
 from service.settings import Settings, cuda_visible_devices
 from service.topology.inventory import first_inventory
 from service.topology.plan import plan as plan_topology
@@ -137,10 +138,16 @@ def _check_model():
     # loads nothing: no torch, no user code). Here rather than at the top of the
     # file because gunicorn applies --chdir after reading this file, and a
     # relative path is the workers' to resolve from there.
+    # The plan was made when this file was read, before --chdir; a relative
+    # SERVE_MODEL names its directory only now, so the model's oneDNN default
+    # is settled here.
+    global plan  # noqa: PLW0603
     try:
         check_spec(settings.model)
     except SettingsError as exc:
         sys.exit(f"gunicorn_conf.py: {exc}")
+    if settings.onednn_cache is None:
+        plan = dataclasses.replace(plan, onednn_cache=default_onednn_cache(settings.model))
 
 
 # -- worker topology ----------------------------------------------------------------

@@ -77,6 +77,20 @@ def check_spec(spec: str) -> str:
     return found
 
 
+# oneDNN's own default capacity. An image model's inputs have one size, so its
+# convolutions' primitives, one per batch size, are found again in the cache; a
+# text model's have a new shape at nearly every call, and its cache only grows
+# the worker (docs/reliability.md, "Memory").
+FIXED_SHAPE_ONEDNN_CACHE = 1024
+
+
+def default_onednn_cache(spec: str) -> int:
+    """SERVE_ONEDNN_CACHE when unset: oneDNN's own for an image model directory, else none."""
+    if kind(spec) == "directory" and directory_task(Path(spec)) == "image":
+        return FIXED_SHAPE_ONEDNN_CACHE
+    return 0
+
+
 def directory_task(path: Path) -> str:
     """The task a Hugging Face model directory serves, from its files; SettingsError if none.
 

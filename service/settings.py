@@ -203,8 +203,9 @@ class Settings:
     max_requests: int = 0
     # oneDNN primitives each worker keeps (ONEDNN_PRIMITIVE_CACHE_CAPACITY): one
     # per op and input shape, so mixed-length batches fill oneDNN's default 1024
-    # and the worker's memory with it (docs/reliability.md, "Memory").
-    onednn_cache: int = 0
+    # and the worker's memory with it (docs/reliability.md, "Memory"). None: 0,
+    # or 1024 for a model of fixed input shapes (service.model_spec).
+    onednn_cache: int | None = None
     devices: str = "auto"
     workers_per_device: int | None = None
     gpu_memory_per_worker_mb: int | None = None

@@ -134,7 +134,7 @@ def plan(settings: Settings, inventory: Inventory) -> Plan:
         inventory=inventory,
         decisions=tuple(decisions),
         warnings=tuple(warnings),
-        onednn_cache=settings.onednn_cache,
+        onednn_cache=settings.onednn_cache if settings.onednn_cache is not None else 0,
     )
 
 
