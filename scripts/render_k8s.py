@@ -55,9 +55,11 @@ UID = 10001
 PRESTOP_SLEEP_S = 10
 # Beyond preStop + graceful timeout: for gunicorn's master to reap its workers and exit.
 EXIT_MARGIN_S = 5
-# Measured: a MiniLM worker on the CPU holds about 480 MiB after loading; the
-# rest is for batches of long inputs. A GPU worker also maps CUDA's libraries
-# and keeps pinned host buffers. The master and the tmpfs volumes fit in the base.
+# Measured: a MiniLM worker on the CPU levels off at about 575 MiB under ten
+# minutes of mixed-length text at capacity (docs/reliability.md, "Memory"); the
+# rest, 75% of that, is headroom for the longest inputs and larger batches. A GPU
+# worker also maps CUDA's libraries and keeps pinned host buffers. The master and
+# the tmpfs volumes fit in the base.
 MEMORY_PER_WORKER_MIB = 1024
 MEMORY_PER_GPU_WORKER_MIB = 4096
 MEMORY_BASE_MIB = 256
