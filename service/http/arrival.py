@@ -7,8 +7,10 @@ The gthread worker (service.host.worker) stamps when it accepted the connection
 or saw it readable again; behind nginx, ``X-Request-Start: t=<unix seconds>``
 (deploy/nginx.conf) also covers the time in nginx and the backlog.
 
-Only this module and its callers know the environ key, so it imports nothing:
-the gunicorn master imports it through the worker class.
+It also holds the keys by which the service asks the worker to hold a refused
+client's connection, and the worker marks the request it reads after a hold
+(service.host.hold). Only this module and its callers know the environ keys,
+so it imports nothing: the gunicorn master imports it through the worker class.
 """
 
 from __future__ import annotations
