@@ -13,8 +13,9 @@
 #   waiting for it, and sends its traceback; every barrier wait also has a
 #   timeout, for a peer that hangs. The parent raises OfflineError on the first
 #   failure and, whatever happens, terminates every process it started.
-# - With a corpus (one text per line), each process instead runs the corpus in
-#   windows of `window` consecutive texts, as a server gathers them, under one
+# - With a corpus (texts, or [query, document] pairs for a rerank model: any
+#   items the model's `prepare` takes), each process instead runs the corpus in
+#   windows of `window` consecutive items, as a server gathers them, under one
 #   Strategy each: padded as they come, sorted by size and run in chunks of a
 #   fixed size, or sorted and cut by the batcher's own cost model
 #   (service.batching.subbatch), so the offline limit on real text is measured
@@ -59,7 +60,7 @@ class Split:
 
 @dataclass(frozen=True)
 class Strategy:
-    """How a window of corpus texts runs: padded as gathered, sorted in chunks, or cut by cost."""
+    """How a window of corpus items runs: padded as gathered, sorted in chunks, or cut by cost."""
 
     window: int
     chunk: int | None = None  # sorted by size, then chunks of this many; None with cost=False: padded
@@ -97,12 +98,13 @@ def measure(
     *,
     seconds: float,
     warmup: int = 3,
-    corpus: list[str] | None = None,
+    corpus: list[Any] | None = None,
     strategies: list[Strategy] | None = None,
 ) -> list[Measurement]:
     """Items/s of ``split.workers`` processes running full batches of the model's sample item at once.
 
-    One measurement per batch size; with ``corpus``, one per strategy instead
+    One measurement per batch size; with ``corpus`` (items as a client sends
+    them: texts, or [query, document] pairs), one per strategy instead
     (``batch_sizes`` is then ignored). Raises OfflineError, promptly, if any
     process fails to load the model, has no sample item, or fails to predict.
     """
@@ -194,7 +196,7 @@ def _run(
     settings: Settings,
     torch_threads: int,
     runs: list[Any],
-    corpus: list[str] | None,
+    corpus: list[Any] | None,
     seconds: float,
     warmup: int,
     barrier: Any,
@@ -256,7 +258,7 @@ def _measure_here(
 def _measure_corpus(
     settings: Settings,
     torch_threads: int,
-    corpus: list[str],
+    corpus: list[Any],
     strategies: list[Strategy],
     seconds: float,
     barrier: Any,
@@ -270,7 +272,7 @@ def _measure_corpus(
     os.environ.update(LIBRARY_ENV)
     configure_torch(torch_threads)
     model = load_model(settings, select_device())
-    items = [model.prepare(text) for text in corpus]
+    items = [model.prepare(item) for item in corpus]
     size = getattr(model, "item_size", None)
     if size is None:
         raise ValueError(f"model {model.name} reports no item sizes; a corpus needs a model that does")
