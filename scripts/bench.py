@@ -5,6 +5,7 @@
     .venv/bin/python scripts/bench.py --model mlp --concurrency 1,8,64 --seconds 5
     .venv/bin/python scripts/bench.py --url http://127.0.0.1:8000   # a service already running
     .venv/bin/python scripts/bench.py --corpus scripts/corpus/mixed.txt   # real text, one per request
+    .venv/bin/python scripts/bench.py --model DIR --corpus scripts/corpus/mixed.txt --rerank 16
 
 Unless --url is given it starts the service itself (gunicorn, with the SERVE_* settings of this
 environment plus --model) and waits until every worker has loaded its model. Before that it
@@ -13,8 +14,11 @@ the model's sample item, with no HTTP, over every workers x torch-threads split 
 cores, all processes busy at once. With --corpus (a text model; one text per line, one text per
 request, cycling) the offline limit is measured on the same texts, in windows of SERVE_MAX_BATCH_SIZE
 run padded as they come, sorted by length in chunks of 1 to 16, and cut by the batcher's cost
-model: the best of them is the limit. Writes results.md, results.json, results.csv, throughput.png
-and latency.png to --out, and prints the table and the targets.
+model: the best of them is the limit. With --rerank N (a cross-encoder, and --corpus) each request
+is a rerank of N consecutive lines of the corpus against a query that is another of its lines, sent
+to /rerank/naive and /rerank/batched; throughput counts (query, document) pairs, and the offline
+limit is measured on the same pairs, the same ways. Writes results.md, results.json, results.csv,
+throughput.png and latency.png to --out, and prints the table and the targets.
 """
 
 from __future__ import annotations
@@ -70,10 +74,22 @@ def main() -> None:
     if args.model:
         env["SERVE_MODEL"] = args.model
     corpus = read_corpus(args.corpus) if args.corpus else None
-    offline = None if args.url or args.no_offline else offline_limit(env, args.offline_seconds, corpus)
+    reranks = rerank_requests(corpus, args.rerank) if corpus and args.rerank else None
+    if reranks is not None and not args.url:
+        check_rerank_settings(env, args.rerank)
+    pairs = [[query, doc] for query, docs in reranks for doc in docs] if reranks else None
+    measured = pairs or corpus  # what the service gets as items, in the order it gets them
+    offline = None if args.url or args.no_offline else offline_limit(env, args.offline_seconds, measured)
     with service(args.url, env) as url:
         info = get_json(url + "/info")
-        if corpus is not None:
+        if reranks is not None:
+            if info["model"]["task"] != "rerank":
+                raise SystemExit(
+                    f"bench: --rerank needs a rerank model; {info['model']['name']!r} serves "
+                    f"{info['model']['task']}"
+                )
+            bodies = [json.dumps({"query": q, "documents": docs}).encode() for q, docs in reranks]
+        elif corpus is not None:
             bodies = [json.dumps({"inputs": [text] * args.items}).encode() for text in corpus]
         else:
             try:
@@ -85,7 +101,8 @@ def main() -> None:
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "model": info["model"]["name"],
-        "items_per_request": args.items,
+        "items_per_request": per_request(args),
+        "rerank_documents": args.rerank,
         "corpus": args.corpus,
         "repeats": args.repeat,
         "seconds_per_run": args.seconds,
@@ -105,13 +122,32 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=2, help="unmeasured seconds before each level")
     p.add_argument("--items", type=int, default=1, help="items per request")
     p.add_argument("--corpus", help="a text file, one text per line: each request sends the next one")
+    p.add_argument(
+        "--rerank",
+        type=int,
+        metavar="N",
+        help="with --corpus: each request reranks N lines against another line, on the /rerank routes",
+    )
     p.add_argument("--repeat", type=int, default=1, help="runs per level and route; the table shows medians")
     p.add_argument("--routes", default="naive,batched")
     p.add_argument("--offline-seconds", type=float, default=8)
     p.add_argument("--no-offline", action="store_true", help="skip the offline-limit measurement")
     p.add_argument("--generator", choices=["auto", "asyncio"], default="auto", help="auto: wrk if installed")
     p.add_argument("--out", default="bench-results", help="directory for the table, data and plots")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.rerank is not None:
+        if args.rerank < 1:
+            p.error(f"--rerank must be at least 1, got {args.rerank}")
+        if not args.corpus:
+            p.error("--rerank needs --corpus: the documents and queries are its lines")
+        if args.items != 1:
+            p.error("--rerank N sets the items per request (N pairs); leave --items out")
+    return args
+
+
+def per_request(args: argparse.Namespace) -> int:
+    """Items the model runs per request: --items, or with --rerank, its N (query, document) pairs."""
+    return int(args.rerank or args.items)
 
 
 # -- the service -------------------------------------------------------------------
@@ -146,7 +182,44 @@ def read_corpus(path: str) -> list[str]:
     return texts
 
 
-def offline_limit(env: dict[str, str], seconds: float, corpus: list[str] | None = None) -> dict[str, Any]:
+def rerank_requests(texts: list[str], documents: int) -> list[tuple[str, list[str]]]:
+    """(query, documents) per request: ``documents`` consecutive lines, and the line half the corpus on.
+
+    The query is then a text of the same mix of lengths, and never one of its own documents.
+    """
+    if documents > len(texts) // 2:
+        raise SystemExit(
+            f"bench: --rerank {documents} needs a corpus of {2 * documents} lines at least, got {len(texts)}"
+        )
+    half = len(texts) // 2
+    return [
+        (texts[(start + half) % len(texts)], texts[start : start + documents])
+        for start in range(0, len(texts) - documents + 1, documents)
+    ]
+
+
+def check_rerank_settings(env: dict[str, str], documents: int) -> None:
+    """Stop before measuring if the service to start cannot take a rerank of ``documents`` pairs."""
+    from service.model_spec import directory_task, kind
+    from service.settings import Settings
+
+    settings = Settings.from_env(env)
+    spec = settings.model
+    if kind(spec) in ("minilm", "mlp") or (
+        kind(spec) == "directory" and directory_task(Path(spec)) != "rerank"
+    ):
+        raise SystemExit(
+            f"bench: --rerank needs a cross-encoder, and SERVE_MODEL={spec!r} is not one; "
+            "make one with scripts/make_rerank_model.py DIR and pass --model DIR"
+        )
+    if documents > settings.max_items_per_request:
+        raise SystemExit(
+            f"bench: --rerank {documents} sends {documents} documents a request, over "
+            f"SERVE_MAX_ITEMS_PER_REQUEST={settings.max_items_per_request}; raise it or lower N"
+        )
+
+
+def offline_limit(env: dict[str, str], seconds: float, corpus: list[Any] | None = None) -> dict[str, Any]:
     from scripts.offline import OfflineError, Strategy, measure, splits_for
     from service.settings import Settings
     from service.topology.inventory import read_inventory
@@ -215,7 +288,7 @@ def sweep(url: str, bodies: list[bytes], args: argparse.Namespace) -> tuple[list
     with tqdm(steps, desc="sweep", unit="run") as bar:
         for _, clients, route in bar:
             bar.set_postfix_str(f"{route} x{clients}")
-            target = f"{url}/predict/{route}"
+            target = f"{url}/rerank/{route}" if args.rerank else f"{url}/predict/{route}"
             if args.warmup > 0:
                 run_load(target, bodies, clients, args.warmup, args.generator == "auto")
                 settle()
@@ -223,7 +296,8 @@ def sweep(url: str, bodies: list[bytes], args: argparse.Namespace) -> tuple[list
             result = run_load(target, bodies, clients, args.seconds, args.generator == "auto")
             after = metric_totals(url)
             settle()
-            runs.setdefault((route, clients), []).append(to_row(route, result, args.items, before, after))
+            row = to_row(route, result, per_request(args), before, after)
+            runs.setdefault((route, clients), []).append(row)
             generator = result.generator
     return [median_row(rows) for rows in runs.values()], generator
 
@@ -313,7 +387,17 @@ def targets(
 
 def markdown(report: dict[str, Any], rows: list[Row], offline: dict[str, Any] | None) -> str:
     corpus = report.get("corpus")
-    source = f"texts from `{corpus}`, one per request in turn" if corpus else "the model's sample item"
+    documents = report.get("rerank_documents")
+    unit = units(report)
+    if documents:
+        source = (
+            f"a rerank per request: a query and {documents} documents, lines of `{corpus}`; "
+            "an item is one (query, document) pair"
+        )
+    elif corpus:
+        source = f"texts from `{corpus}`, one per request in turn"
+    else:
+        source = "the model's sample item"
     lines = [
         f"Model `{report['model']}`, {report['items_per_request']} item(s) per request, {source}, "
         f"{report['seconds_per_run']:g} s per run, median of {report['repeats']} run(s), "
@@ -322,7 +406,7 @@ def markdown(report: dict[str, Any], rows: list[Row], offline: dict[str, Any] | 
     ]
     if offline:
         lines.append(
-            f"Offline limit: **{offline['items_per_s']:.0f} items/s** "
+            f"Offline limit: **{offline['items_per_s']:.0f} {unit}/s** "
             f"(split {offline['split']}, {offline.get('strategy') or 'batch ' + str(offline['batch_size'])}; "
             + "all: "
             + ", ".join(
@@ -333,7 +417,7 @@ def markdown(report: dict[str, Any], rows: list[Row], offline: dict[str, Any] | 
         )
         lines.append("")
     lines += [
-        "| route | clients | req/s | items/s | p50 ms | p90 ms | p99 ms | errors | mean batch |",
+        f"| route | clients | req/s | {unit}/s | p50 ms | p90 ms | p99 ms | errors | mean batch |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
@@ -347,6 +431,11 @@ def markdown(report: dict[str, Any], rows: list[Row], offline: dict[str, Any] | 
         lines += ["", "| target | measured | met |", "| --- | ---: | --- |"]
         lines += [f"| {name} | {value} | {'yes' if ok else 'NO'} |" for name, value, ok in checks]
     return "\n".join(lines) + "\n"
+
+
+def units(report: dict[str, Any]) -> str:
+    """What the throughput counts: items, or for a rerank, (query, document) pairs."""
+    return "pairs" if report.get("rerank_documents") else "items"
 
 
 def write_outputs(out: Path, report: dict[str, Any], rows: list[Row], offline: dict[str, Any] | None) -> None:
@@ -376,7 +465,10 @@ def plot(out: Path, report: dict[str, Any], rows: list[Row], offline: dict[str, 
     if offline:
         ax.axhline(offline["items_per_s"], linestyle="--", color="grey", label="offline limit")
     ax.set(
-        xscale="log", xlabel="concurrent clients", ylabel="items/s", title=f"Throughput, {report['model']}"
+        xscale="log",
+        xlabel="concurrent clients",
+        ylabel=f"{units(report)}/s",
+        title=f"Throughput, {report['model']}",
     )
     ax.set_xticks(
         sorted({r.clients for r in rows}), labels=[str(c) for c in sorted({r.clients for r in rows})]

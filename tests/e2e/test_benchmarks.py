@@ -135,3 +135,42 @@ def test_bench_script_refuses_non_loopback_targets(tmp_path: Path) -> None:
     )
     assert result.returncode != 0
     assert "only loopback" in result.stderr
+
+
+def test_bench_script_reranks_corpus_lines_on_both_rerank_routes_against_the_offline_limit(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    corpus = tmp_path / "corpus.txt"
+    lines = (ROOT / "scripts/corpus/mixed.txt").read_text().splitlines()[:48]
+    corpus.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "bench"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")} | {"SERVE_WORKERS": "1"}
+    command = [sys.executable, "scripts/bench.py", "--model", str(model_dirs["rerank"]), "--rerank", "4"]
+    command += ["--corpus", str(corpus), "--concurrency", "1,4", "--seconds", "1", "--warmup", "0"]
+    command += ["--offline-seconds", "0.3", "--out", str(out)]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((out / "results.json").read_text())
+    assert data["rerank_documents"] == 4 and data["items_per_request"] == 4
+    assert {(r["route"], r["clients"]) for r in data["rows"]} == {
+        ("naive", 1),
+        ("batched", 1),
+        ("naive", 4),
+        ("batched", 4),
+    }
+    for row in data["rows"]:
+        assert row["errors"] == 0 and row["rps"] > 0
+        assert row["items_per_s"] == pytest.approx(4 * row["rps"])
+    assert next(r for r in data["rows"] if r["route"] == "naive")["mean_batch"] == 4
+    assert data["offline"]["items_per_s"] > 0
+    assert "sorted, cut by cost" in {s["strategy"].split(" ", 1)[1] for s in data["offline"]["splits"]}
+    table = (out / "results.md").read_text()
+    assert "a query and 4 documents" in table and "| req/s | pairs/s |" in table
+
+
+def test_bench_script_refuses_rerank_of_a_model_that_is_no_cross_encoder(tmp_path: Path) -> None:
+    command = [sys.executable, "scripts/bench.py", "--model", "mlp", "--rerank", "4"]
+    command += ["--corpus", "scripts/corpus/mixed.txt", "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "--rerank needs a cross-encoder" in result.stderr
