@@ -53,23 +53,29 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
 
     def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> None:
         requests = self._requests
+        requests.at, requests.next_at = getattr(requests, "next_at", None), None
         requests.hold_s = 0.0
         try:
             super().handle_request(listener_name, req, sock, addr)  # raises to close the connection
         finally:
+            requests.at = None
             requests.returning = False
         if requests.hold_s > 0 and self.alive:
-            wait_out(sock, requests.hold_s)
+            began = time.monotonic()
+            if wait_out(sock, requests.hold_s):
+                requests.next_at = began  # its resend arrived when the hold began, at the latest
             requests.returning = True  # for the request it reads next
 
 
-def wait_out(sock: Any, seconds: float) -> None:
-    """Leave ``sock`` unread for ``seconds``, or until its client hangs up (the caller then reads the end)."""
+def wait_out(sock: Any, seconds: float) -> bool:
+    """Leave ``sock`` unread for ``seconds``, or until its client hangs up; whether it sent more meanwhile."""
     end = time.monotonic() + seconds
     try:
         wait_read(sock.fileno(), timeout=seconds)
     except TimeoutError:
-        return
-    if peek(sock) == "sent":
-        # Its resend waits in the socket; the rest of the hold needs no watching.
-        gevent.sleep(max(0.0, end - time.monotonic()))
+        return False
+    if peek(sock) != "sent":
+        return False  # hung up: the caller reads the end and closes
+    # Its resend waits in the socket; the rest of the hold needs no watching.
+    gevent.sleep(max(0.0, end - time.monotonic()))
+    return True

@@ -21,13 +21,17 @@ So when the door refuses a request that came straight from its client
 (service.http.door), the worker leaves that connection unread for the
 Retry-After it sent. A client that honours the header sees no difference; one
 that resends at once waits as if it had honoured it, and its resend costs
-nothing until then. The resend counts as arriving when the hold ends, when the
-worker could first read it, so it is judged as a request from a client that
-honoured the header: counting the hold toward its latency budget would refuse
-it again however idle the service, and lock such a client out. A client that
-hangs up during the hold is let go at once (gthread watches the held socket;
-gevent's greenlet waits on it), so it does not keep its place among the
-worker's connections.
+nothing until then. A resend sent during the hold counts as arriving when the
+hold began, so the hold counts toward its latency budget: a request is
+admitted only if it can still be answered in time counted from when it was
+sent, and a hold is at most a quarter of the budget. Such a returning request is
+exempt from the door's standing-queue test (it waited by the worker's choice,
+not in a queue; otherwise clients that had all been refused once would be
+refused for good), and is admitted while the work ahead fits what is left of
+its budget, where a fresh request needs half of it spare: under a long
+overload clients take turns. A client that hangs up during the hold is let go
+at once (gthread watches the held socket; gevent's greenlet waits on it), so it
+does not keep its place among the worker's connections.
 """
 
 from __future__ import annotations

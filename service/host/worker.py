@@ -71,7 +71,9 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         self.wsgi = StampedApp(self.wsgi, self._arrivals)
 
     def enqueue_req(self, conn: Any) -> None:
-        conn.serve_arrived = time.monotonic()
+        # A resend sent during a hold arrived when the hold began, at the latest.
+        held_since, conn.serve_held_since = getattr(conn, "serve_held_since", None), None
+        conn.serve_arrived = time.monotonic() if held_since is None else held_since
         super().enqueue_req(conn)
 
     def handle(self, conn: Any) -> Any:
@@ -120,15 +122,15 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
 
     def _release_held(self) -> None:
         # A stopping worker lets every held connection go: its next request is
-        # answered with "Connection: close", as gthread answers any then. A resend
-        # counts from here, when the worker could first read it: a client that
-        # ignored Retry-After is judged as one that honoured it.
-        for (conn, fs), _ in self._held.due(time.monotonic(), everything=not self.alive):
+        # answered with "Connection: close", as gthread answers any then.
+        for (conn, fs), since in self._held.due(time.monotonic(), everything=not self.alive):
             held, conn.serve_held = conn.serve_held, None
             if held == "gone":
                 continue
             if held == "watched":
                 self.poller.unregister(conn.sock)
+            if held == "sent" or conn.parser.unreader.buf.getvalue():
+                conn.serve_held_since = since
             conn.serve_returning = True
             super().finish_request(conn, fs)
 

@@ -74,11 +74,11 @@ def settle_wait(worker_stamp: object, now: float, proxy_waited: float) -> float:
     return max(0.0, own, proxy_waited)
 
 
-def ask_to_hold(environ: dict[str, object], retry_after_s: float) -> None:
+def ask_to_hold(environ: dict[str, object], retry_after_s: float, budget_s: float) -> None:
     """Ask the worker to hold this connection after its 503, for a client that came straight to it.
 
     A refused client's connection is left unread for its Retry-After (at most
-    MAX_HOLD_S; service.host.hold): a client that resends at once then waits as
+    MAX_HOLD_S, and a quarter of the latency budget; service.host.hold): a client that resends at once then waits as
     one that honours the header does, and costs one refusal a second instead of
     thousands. A proxy's kept-alive connection carries other clients' requests
     too, so holding it would delay them: a request with ``X-Forwarded-For`` or
@@ -87,4 +87,7 @@ def ask_to_hold(environ: dict[str, object], retry_after_s: float) -> None:
     """
     if "HTTP_X_REQUEST_START" in environ or "HTTP_X_FORWARDED_FOR" in environ:
         return
-    environ[HOLD_ENVIRON_KEY] = min(float(retry_after_s), MAX_HOLD_S)
+    # A resend sent at once has waited the hold when it is read, and the hold
+    # counts toward its budget: three quarters are left for the work ahead of it,
+    # more than the half a fresh request must leave spare (AdmissionRule.decide).
+    environ[HOLD_ENVIRON_KEY] = min(float(retry_after_s), MAX_HOLD_S, budget_s / 4)

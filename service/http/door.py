@@ -88,9 +88,14 @@ class Door:
         self._metrics.observe_wait(waited)
         batcher = self._runtime.batcher if queued else None
         predicted = batcher.predicted_wait() if batcher is not None else 0.0
-        with self._lock:
-            standing = self._standing.standing(waited, now)
         returning = bool(environ.get(RETURNING_ENVIRON_KEY))
+        # A returning request waited out a hold the worker chose, not a queue: it
+        # neither shows nor is refused by a standing queue (else a service whose
+        # clients had all been refused once would refuse them for good).
+        standing = False
+        if not returning:
+            with self._lock:
+                standing = self._standing.standing(waited, now)
         refusal = self._runtime.admission.decide(waited, predicted, standing, returning)
         if refusal is None:
             return self._app(environ, start_response)
@@ -107,7 +112,7 @@ class Door:
         )
         # Counted with the other answers, so 503s add up in serve_http_requests_total.
         self._metrics.observe_request(path, 503, time.monotonic() - now)
-        ask_to_hold(environ, refusal.retry_after_s)
+        ask_to_hold(environ, refusal.retry_after_s, self._runtime.admission.budget_s)
         return _Refusal(body, environ.get("wsgi.input"), self._runtime.settings.max_body_bytes)
 
 
