@@ -77,13 +77,13 @@ def settle_wait(worker_stamp: object, now: float, proxy_waited: float) -> float:
 def ask_to_hold(environ: dict[str, object], retry_after_s: float, budget_s: float) -> None:
     """Ask the worker to hold this connection after its 503, for a client that came straight to it.
 
-    A refused client's connection is left unread for its Retry-After (at most
-    MAX_HOLD_S, and a quarter of the latency budget; service.host.hold): a client that resends at once then waits as
-    one that honours the header does, and costs one refusal a second instead of
-    thousands. A proxy's kept-alive connection carries other clients' requests
-    too, so holding it would delay them: a request with ``X-Forwarded-For`` or
-    ``X-Request-Start`` (nginx sends both, deploy/nginx.conf) is not held, and
-    the proxy's own limits apply there.
+    A refused client's connection is left unread for its Retry-After, at most
+    MAX_HOLD_S and a quarter of the latency budget (service.host.hold): a client
+    that resends at once then waits as one that honours the header does, and
+    costs a few refusals a second instead of thousands. A proxy's kept-alive
+    connection carries other clients' requests too, so holding it would delay
+    them: a request with ``X-Forwarded-For`` or ``X-Request-Start`` (nginx sends
+    both, deploy/nginx.conf) is not held, and the proxy's own limits apply there.
     """
     if "HTTP_X_REQUEST_START" in environ or "HTTP_X_FORWARDED_FOR" in environ:
         return
