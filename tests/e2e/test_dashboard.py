@@ -127,17 +127,23 @@ def test_step_shape_through_the_ui_shows_both_routes_and_the_batching(artifacts:
             assert "/info" not in stats, "GET /info is a probe, not load"
             for route in ROUTES:
                 assert int(stats[route]["# Requests"]) > 0, stats[route]
-            assert int(stats["/predict/batched"]["# Fails"]) == 0, stats["/predict/batched"]
-            # The naive route may shed at 64 users: its requests wait for a thread past a tenth
-            # of the latency budget (a standing queue) and get 503. Any other failure is a bug.
-            naive_fails = int(stats["/predict/naive"]["# Fails"])
-            errors = failures(url, "/predict/naive")
-            assert sum(errors.values()) == naive_fails, errors
-            assert all("503 Server Error" in error for error in errors), errors
-            # The service counts the same 503s, give or take those in flight when the run
-            # stopped: its last reading is taken as the users stop, not after their last answer.
-            shed = int(batching_figures(url, "whole run", "/predict/naive")["Shed (503)"])
-            assert abs(naive_fails - shed) <= STEPS[-1], (naive_fails, shed)
+            # Either route may shed at 64 users, and only with 503: the naive route's requests
+            # wait for a thread past a tenth of the latency budget (a standing queue); the
+            # batched route's predicted wait passes the budget only on a machine busy with
+            # something else. Any other failure is a bug.
+            shed_share: dict[str, float] = {}
+            for route in ROUTES:
+                fails = int(stats[route]["# Fails"])
+                errors = failures(url, route)
+                assert sum(errors.values()) == fails, (route, errors)
+                assert all("503 Server Error" in error for error in errors), (route, errors)
+                # The service counts the same 503s, give or take those in flight when the run
+                # stopped: its last reading is taken as the users stop, not after their last answer.
+                shed = int(batching_figures(url, "whole run", route)["Shed (503)"])
+                assert abs(fails - shed) <= STEPS[-1], (route, fails, shed)
+                shed_share[route] = fails / int(stats[route]["# Requests"])
+            # Batching is what lets the same workers take 64 users: it sheds the smaller share.
+            assert shed_share["/predict/batched"] <= shed_share["/predict/naive"], shed_share
 
             open_tab(browser, "Batching")
             browser.set_window_size(1400, 1400)  # every step's rows in one screenshot
@@ -149,7 +155,6 @@ def test_step_shape_through_the_ui_shows_both_routes_and_the_batching(artifacts:
             for route in ROUTES:
                 whole = by_step[("whole run", route)]
                 assert int(whole["Requests"]) > 0, whole
-            assert int(by_step[("whole run", "/predict/batched")]["Shed (503)"]) == 0
             assert int(by_step[(f"{STEPS[-1]} NaiveUser", "/predict/naive")]["Requests"]) > 0
             busiest = by_step[(f"{STEPS[-1]} BatchedUser", "batcher (all batched routes)")]
             assert float(busiest["Mean batch size"]) > 1, busiest
