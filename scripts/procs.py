@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def children(pid: int) -> list[int]:
@@ -31,3 +34,19 @@ def rss_bytes(pid: int) -> int | None:
     except OSError:
         return None
     return None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU a process has used, or None once it has exited."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # After the parenthesised command name: state, ppid, ... utime and stime are the 12th and 13th.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU a process and its children (gunicorn's master and workers) have used so far."""
+    return sum(cpu_seconds(p) or 0.0 for p in [pid, *children(pid)])

@@ -1,0 +1,226 @@
+#!/usr/bin/env python3
+"""What the request path costs: the service on a free model against a bare Flask handler.
+
+    .venv/bin/python scripts/overhead.py                       # 64 clients, 4 routes, 3 rounds
+    .venv/bin/python scripts/overhead.py --routes batched --seconds 10 --repeat 1
+    .venv/bin/python scripts/overhead.py --worker-class gevent
+
+The model takes no time (scripts/free_model.py: each text in, the same 384 floats
+out), so what a request costs is the request path alone. Beside the service runs
+scripts/bare_flask.py under plain gunicorn with the same worker class, workers and
+threads: it parses the same JSON bodies with orjson and returns the same floats.
+wrk drives each with the same closed-loop clients (one text of
+scripts/corpus/mixed.txt per request, cycling); CPU per request is the CPU of the
+whole gunicorn process tree over the run (utime + stime from /proc, master and
+workers) divided by the requests answered. Each round measures the bare handler
+and then every route of the service, each in a gunicorn of its own started for it;
+the table gives medians over the rounds and the ratios against the bare handler.
+Both servers run with SERVE_*/gunicorn defaults otherwise: the service's access
+line, metrics, admission and request ids all stay on, as in production.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scripts.launcher import LaunchError, free_port, serve, stop  # noqa: E402
+from scripts.loadgen import run_load  # noqa: E402
+from scripts.procs import tree_cpu_seconds  # noqa: E402
+
+CORPUS = ROOT / "scripts" / "corpus" / "mixed.txt"
+FREE_MODEL = "scripts.free_model:create"
+BARE = "bare Flask"
+# route name -> (path, how one text becomes that protocol's request body)
+ROUTES = {
+    "batched": ("/predict/batched", lambda text: {"inputs": [text]}),
+    "naive": ("/predict/naive", lambda text: {"inputs": [text]}),
+    "embeddings": ("/v1/embeddings", lambda text: {"input": text, "model": "free"}),
+    "v2": (
+        "/v2/models/free/infer",
+        lambda text: {"inputs": [{"name": "input", "shape": [1], "datatype": "BYTES", "data": [text]}]},
+    ),
+}
+WARM_UP_S = 2.0
+
+
+@dataclass(frozen=True)
+class Run:
+    server: str
+    requests: int
+    errors: int
+    seconds: float
+    cpu_s: float
+    p50_ms: float
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds
+
+    @property
+    def cpu_ms_per_request(self) -> float:
+        return 1000 * self.cpu_s / max(1, self.requests)
+
+
+def main() -> int:
+    args = parse_args()
+    texts = [line for line in CORPUS.read_text().splitlines() if line][: args.texts]
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("SERVE_")},
+        "SERVE_MODEL": FREE_MODEL,
+        "SERVE_WORKERS": str(args.workers),
+        "SERVE_WORKER_CLASS": args.worker_class,
+        "SERVE_MAX_REQUESTS": "0",  # a replaced worker would take its CPU time with it
+        "PYTHONPATH": str(ROOT),
+    }
+    threads = planned_threads(env)
+    print(
+        f"{args.workers} workers x {threads} threads ({args.worker_class}), {args.clients} clients, "
+        f"{args.seconds:g} s a run, {args.repeat} round(s), {len(texts)} texts of {CORPUS.name}",
+        flush=True,
+    )
+    runs: dict[str, list[Run]] = {}
+    for round_ in range(args.repeat):
+        for name in (BARE, *args.routes):
+            path, make = ROUTES.get(name, ("/predict/batched", ROUTES["batched"][1]))
+            bodies = [json.dumps(make(text)).encode() for text in texts]
+            starter = (
+                bare_flask(env, args.workers, threads, args.worker_class) if name == BARE else service(env)
+            )
+            with starter as (url, pid):
+                run = measure(name, url + path, pid, bodies, args)
+            runs.setdefault(name, []).append(run)
+            print(
+                f"round {round_ + 1}: {name:<11} {run.rps:8.0f} req/s  "
+                f"{run.cpu_ms_per_request:6.3f} ms CPU/request  p50 {run.p50_ms:6.2f} ms  "
+                f"errors {run.errors}",
+                flush=True,
+            )
+    print()
+    print(table(runs, args.routes))
+    return 1 if any(run.errors for rs in runs.values() for run in rs) else 0
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--repeat", type=int, default=3, help="rounds; the table gives medians")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--worker-class", choices=("gthread", "gevent"), default="gthread")
+    parser.add_argument(
+        "--routes",
+        type=lambda s: [r for r in s.split(",") if r],
+        default=list(ROUTES),
+        help=f"comma-separated, of {', '.join(ROUTES)} (default: all)",
+    )
+    parser.add_argument("--texts", type=int, default=2000, help="lines of the corpus to cycle through")
+    args = parser.parse_args()
+    unknown = set(args.routes) - set(ROUTES)
+    if unknown:
+        parser.error(f"unknown routes {sorted(unknown)}; pick from {', '.join(ROUTES)}")
+    return args
+
+
+def planned_threads(env: dict[str, str]) -> int:
+    """The request threads per worker gunicorn_conf.py plans for ``env``: the bare server gets as many."""
+    from service.settings import Settings, cuda_visible_devices
+    from service.topology.inventory import read_inventory
+    from service.topology.plan import plan
+
+    return plan(Settings.from_env(env), read_inventory(cuda_visible_devices(env))).threads
+
+
+@contextlib.contextmanager
+def service(env: dict[str, str]) -> Iterator[tuple[str, int]]:
+    with serve(env, all_workers=True) as running:
+        yield running.url, running.process.pid
+
+
+@contextlib.contextmanager
+def bare_flask(
+    env: dict[str, str], workers: int, threads: int, worker_class: str
+) -> Iterator[tuple[str, int]]:
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "gunicorn",
+        f"--worker-class={worker_class}",
+        f"--workers={workers}",
+        f"--threads={threads}",
+        "--keep-alive=75",  # as the service's gunicorn_conf.py
+        f"--bind=127.0.0.1:{port}",
+        "scripts.bare_flask:app",
+    ]
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_answers(url + "/predict", process, log)
+            yield url, process.pid
+        finally:
+            stop(process)
+
+
+def wait_answers(url: str, process: subprocess.Popen[bytes], log: object, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            request = urllib.request.Request(
+                url, data=b'{"inputs": ["x"]}', headers={"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(request, timeout=2):
+                return
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise LaunchError(f"the bare Flask app did not answer on {url}") from None
+            time.sleep(0.2)  # a port coming up: nothing to block on
+
+
+def measure(name: str, url: str, pid: int, bodies: list[bytes], args: argparse.Namespace) -> Run:
+    run_load(url, bodies, args.clients, WARM_UP_S)  # connections, caches, the batch thread's first batches
+    before = tree_cpu_seconds(pid)
+    result = run_load(url, bodies, args.clients, args.seconds)
+    cpu = tree_cpu_seconds(pid) - before
+    return Run(name, result.requests, result.errors, result.seconds, cpu, result.p50_ms)
+
+
+def table(runs: dict[str, list[Run]], routes: list[str]) -> str:
+    bare_cpu = statistics.median(r.cpu_ms_per_request for r in runs[BARE])
+    bare_rps = statistics.median(r.rps for r in runs[BARE])
+    lines = [
+        "| server | CPU per request (ms) | req/s | CPU vs bare | req/s vs bare |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        f"| {BARE} | {bare_cpu:.3f} | {bare_rps:,.0f} | 1.00x | 1.00x |",
+    ]
+    for name in routes:
+        path = ROUTES[name][0]
+        cpu = statistics.median(r.cpu_ms_per_request for r in runs[name])
+        rps = statistics.median(r.rps for r in runs[name])
+        lines.append(
+            f"| service `{path}` | {cpu:.3f} | {rps:,.0f} | {cpu / bare_cpu:.2f}x | {rps / bare_rps:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
