@@ -78,6 +78,8 @@ logconfig_dict = logging_config(settings.log_format)
 # access line per request with the request id, route and batch size, and a
 # second line for each request would only double the volume.
 accesslog = None
+# ...and is not built only to be dropped: see service.host.quiet_log.
+logger_class = "service.host.quiet_log.NoAccessLogger"
 
 # Gunicorn reads this file again on SIGHUP, which starts an empty table while the
 # old workers drain; the new workers then take slots 0.. and the same devices.

@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 from flask import Flask, Response, current_app
 from prometheus_client import (
@@ -197,6 +197,7 @@ class Metrics(BatchObserver):
             self.timed_out.labels(reason)
         for kind in ("real", "padded"):
             self.tokens.labels(kind)
+        self._request_series: dict[tuple[str, int], tuple[Any, Any]] = {}
 
     def init_app(self, app: Flask) -> None:
         app.extensions[EXTENSION] = self
@@ -211,8 +212,15 @@ class Metrics(BatchObserver):
         self.in_flight.dec()
 
     def observe_request(self, route: str, code: int, seconds: float) -> None:
-        self.requests.labels(route, str(code)).inc()
-        self.request_duration.labels(route).observe(seconds)
+        # labels() takes the metric's lock and checks its values on every call;
+        # routes and codes are few, so each pair's series are looked up once.
+        series = self._request_series.get((route, code))
+        if series is None:
+            series = (self.requests.labels(route, str(code)), self.request_duration.labels(route))
+            self._request_series[(route, code)] = series
+        count, duration = series
+        count.inc()
+        duration.observe(seconds)
 
     def observe_wait(self, seconds: float) -> None:
         self.wait_before_handler.observe(seconds)

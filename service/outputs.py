@@ -47,6 +47,11 @@ def first_non_finite(outputs: Outputs) -> int | None:
     if isinstance(outputs, np.ndarray) and outputs.dtype.kind != "O":
         if outputs.dtype.kind not in "fc" or len(outputs) == 0:
             return None
+        # One reduction answers the common case: a NaN or infinity anywhere makes
+        # the sum non-finite. A finite sum proves all are finite; a sum that only
+        # overflowed falls through to the exact search below.
+        if math.isfinite(outputs.sum()):
+            return None
         finite = np.isfinite(outputs.reshape(len(outputs), -1)).all(axis=1)
         return None if finite.all() else int(np.argmin(finite))
     for index, output in enumerate(outputs):

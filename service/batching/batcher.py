@@ -1,8 +1,8 @@
 # design:
 # - One Batcher per worker process, driven by one OS thread (service.batching.native, so
 #   it stays a real thread under gevent). Request threads or greenlets call
-#   submit(), which creates the request's Future *before* it enqueues it, and
-#   then wait on that Future (service.batching.waiting); nothing else links a request to
+#   submit(), which creates the request's Reply (service.batching.reply) *before* it
+#   enqueues it, and then wait on it (service.batching.waiting); nothing else links a request to
 #   its result, so a caller that gives up leaves nothing behind.
 # - The batch thread alone takes from the queue: it blocks for the first request,
 #   takes what is already queued, may wait a bounded time for more (GatherPolicy),
@@ -42,7 +42,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,7 @@ import numpy as np
 
 from service.batching import native
 from service.batching.admission import AdmissionRule, ServiceMeter, predict_wait
+from service.batching.reply import Reply
 from service.batching.subbatch import CostModel, cut
 from service.errors import DeadlineExceeded, ModelError, NotReady, Overloaded, ServeError
 from service.models.base import Outputs
@@ -69,8 +70,8 @@ class Pending:
     # Each item's size (the model's units, e.g. tokens), or None when the model reports none.
     sizes: list[int] | None = None
     enqueued_at: float = field(default_factory=time.monotonic)
-    # Created before it is queued; native so the batch thread may complete it under gevent.
-    future: Future[Outputs] = field(default_factory=native.new_future)
+    # Created before it is queued; its locks are native, so the batch thread may complete it under gevent.
+    future: Reply = field(default_factory=Reply)
     # Filled in by the batch thread before the future completes.
     started_at: float | None = None
     batch_size: int = 0
@@ -557,7 +558,7 @@ class _Assembly:
         return np.stack(rows) if self.array[r] else rows
 
 
-def _claim(future: Future[Outputs]) -> bool:
+def _claim(future: Reply) -> bool:
     """Mark a queued request's future as running; False if it needs no answer.
 
     That is when its caller cancelled it, or when the watchdog already failed
@@ -569,7 +570,7 @@ def _claim(future: Future[Outputs]) -> bool:
         return False
 
 
-def _fail(future: Future[Outputs], error: BaseException) -> bool:
+def _fail(future: Reply, error: BaseException) -> bool:
     """Fail a future unless another thread already completed it; True if this call did."""
     try:
         future.set_exception(error)
@@ -578,7 +579,7 @@ def _fail(future: Future[Outputs], error: BaseException) -> bool:
     return True
 
 
-def _deliver(future: Future[Outputs], result: Outputs) -> None:
+def _deliver(future: Reply, result: Outputs) -> None:
     with contextlib.suppress(InvalidStateError):  # the watchdog already failed it
         future.set_result(result)
 

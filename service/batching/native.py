@@ -8,14 +8,8 @@
 #   worker's event loop). The queue, the batcher's lock and each request's
 #   future are shared between those threads and request threads or greenlets,
 #   so they must be safe across OS threads: native, from here.
-# - Futures: ``concurrent.futures.Future`` guards its state with a
-#   ``threading.Condition``, whose lock is gevent's once patched. gevent can
-#   pass such a lock between an OS thread and a greenlet only through a slow
-#   hand-off via the owning hub, which its maintainers call delicate and advise
-#   against. A request's future is touched by both sides, so its lock is a
-#   native one. It is held only for a few attribute writes, so a greenlet that
-#   waits for it stalls its hub for microseconds; nobody waits on the condition
-#   itself under gevent (service.batching.waiting wakes greenlets through the hub).
+# - Replies: a request's reply (service.batching.reply) is touched by the batch
+#   thread and by a request thread or greenlet, so its locks come from here.
 # - Shutdown: threads started here are unknown to ``threading``, so the
 #   interpreter does not wait for them at exit. Each owner ends its own
 #   (Batcher.stop drains the batch thread; the watchdog returns once that
@@ -25,23 +19,35 @@
 from __future__ import annotations
 
 import importlib
-import threading
+import sys
 
 # The C implementation: gevent patches ``queue.SimpleQueue`` but not ``_queue``.
 from _queue import Empty, SimpleQueue
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
-__all__ = ["Empty", "SimpleQueue", "allocate_lock", "gevent_patched", "new_future", "start_thread"]
+__all__ = ["Empty", "SimpleQueue", "allocate_lock", "gevent_patched", "start_thread"]
 
 
 def gevent_patched() -> bool:
-    try:
-        from gevent import monkey
-    except ImportError:
+    """Whether gevent has patched ``threading`` in this process.
+
+    Asked for every request (each new future): once patched, a process stays
+    patched, so a yes is remembered; a no is asked again, since a gevent
+    worker patches after this module may have been imported. Patching imports
+    ``gevent.monkey``, so a process that has not imported it is not patched.
+    """
+    global _patched  # noqa: PLW0603
+    if _patched:
+        return True
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is None:
         return False
-    return bool(monkey.is_module_patched("threading"))
+    _patched = bool(monkey.is_module_patched("threading"))
+    return _patched
+
+
+_patched = False
 
 
 def _original(module: str, name: str) -> Any:
@@ -55,16 +61,6 @@ def _original(module: str, name: str) -> Any:
 def allocate_lock() -> Any:
     """A plain OS lock (``_thread.LockType``)."""
     return _original("_thread", "allocate_lock")()
-
-
-def new_future() -> Future[Any]:
-    """A ``concurrent.futures.Future`` whose internal lock is a native OS lock."""
-    future: Future[Any] = Future()
-    if gevent_patched():
-        # Future keeps its state under ``_condition`` (CPython 3.2 onwards); a
-        # Condition over a native RLock serves every Future method unchanged.
-        future._condition = threading.Condition(_original("_thread", "RLock")())
-    return future
 
 
 def start_thread(target: Callable[[], None]) -> int:

@@ -18,14 +18,14 @@
 from __future__ import annotations
 
 import concurrent.futures
-from concurrent.futures import Future
 
 from service.batching import native
+from service.batching.reply import Reply
 from service.errors import DeadlineExceeded
 from service.models.base import Outputs
 
 
-def wait_result(future: Future[Outputs], timeout_s: float) -> Outputs:
+def wait_result(future: Reply, timeout_s: float) -> Outputs:
     timeout_s = max(0.0, timeout_s)
     if native.gevent_patched():
         _wait_in_greenlet(future, timeout_s)
@@ -42,7 +42,7 @@ def wait_result(future: Future[Outputs], timeout_s: float) -> Outputs:
         return _after_deadline(future)
 
 
-def _wait_in_greenlet(future: Future[Outputs], timeout_s: float) -> None:
+def _wait_in_greenlet(future: Reply, timeout_s: float) -> None:
     """Yield to the hub until ``future`` is done or ``timeout_s`` passes."""
     if future.done():
         return
@@ -56,7 +56,7 @@ def _wait_in_greenlet(future: Future[Outputs], timeout_s: float) -> None:
     woken.wait(timeout_s)
 
 
-def _after_deadline(future: Future[Outputs]) -> Outputs:
+def _after_deadline(future: Reply) -> Outputs:
     # cancel() succeeds only while the request is still queued, and fails once
     # the batch has taken it; if the batch finished in the meantime, its
     # outcome is still the answer.

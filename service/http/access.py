@@ -98,5 +98,7 @@ def init_app(app: Flask, metrics: Metrics) -> None:
 
 def _printable(path: str) -> str:
     """The path as one bounded log token: a decoded path may hold newlines or quotes."""
+    if len(path) <= _MAX_LOGGED_PATH and path.isprintable() and '"' not in path and " " not in path:
+        return path  # the usual path, checked in C rather than a character at a time
     cleaned = "".join(c if c.isprintable() and c not in '" ' else "?" for c in path[:_MAX_LOGGED_PATH])
     return cleaned + ("..." if len(path) > _MAX_LOGGED_PATH else "")
