@@ -3,14 +3,24 @@
 gunicorn_conf.py hands :func:`logging_config` to gunicorn, which applies it in
 the master before it forks, so the workers inherit it. This module imports
 neither torch nor prometheus_client: the master loads it.
+
+Access lines, one per request, are written by a writer thread
+(:class:`LineWriter`): a request thread only queues its record. A
+``StreamHandler`` would make every request thread take the one handler lock
+and write under it, and with dozens of request threads that lock became a
+convoy: measured as over a quarter of a worker's Python time on a model that
+costs nothing (scripts/overhead.py; docs/benchmarks.md, "The request path").
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from datetime import UTC, datetime
-from typing import Any
+from typing import IO, Any
+
+from service.batching import native
 
 ACCESS_LOGGER = "service.access"
 
@@ -37,6 +47,83 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(document, default=str)
 
 
+class LineWriter(logging.Handler):
+    """Formats and writes its records in a thread of its own, several lines to a write.
+
+    ``handle`` only queues the record: no lock, no I/O in the caller. The thread
+    is a native one (service.batching.native), started in the process that first
+    logs through the handler: the handler is made in the gunicorn master and a
+    thread does not survive the fork. ``flush`` (called by logging.shutdown at
+    exit, and by the worker as it drains) returns once every queued line is out.
+    """
+
+    # Lines joined into one write at most; a burst larger than this takes several.
+    MAX_LINES_PER_WRITE = 256
+
+    def __init__(self, stream: IO[str] | None = None) -> None:
+        super().__init__()
+        self.stream = stream
+        self._pid: int | None = None
+        self._queue: Any = None
+        self._start_lock = native.allocate_lock()
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        if not self.filter(record):
+            return False
+        if self._pid != os.getpid():
+            self._start()
+        self._queue.put(record)
+        return True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.handle(record)
+
+    def flush(self) -> None:
+        if self._pid != os.getpid():
+            return  # nothing was queued in this process
+        done = native.allocate_lock()
+        done.acquire()
+        self._queue.put(done)  # released by the writer once the lines before it are out
+        done.acquire(timeout=5)
+
+    def _start(self) -> None:
+        with self._start_lock:
+            if self._pid == os.getpid():
+                return
+            self._queue = native.SimpleQueue()
+            self._pid = os.getpid()
+            native.start_thread(self._write_forever)
+
+    def _write_forever(self) -> None:
+        queue = self._queue
+        while True:
+            batch = [queue.get()]
+            while len(batch) < self.MAX_LINES_PER_WRITE:
+                try:
+                    batch.append(queue.get_nowait())
+                except native.Empty:
+                    break
+            self._write([item for item in batch if isinstance(item, logging.LogRecord)])
+            for item in batch:
+                if not isinstance(item, logging.LogRecord):
+                    item.release()  # a flush waiting for the lines before it
+
+    def _write(self, records: list[logging.LogRecord]) -> None:
+        lines = []
+        for record in records:
+            try:
+                lines.append(self.format(record) + "\n")
+            except Exception:
+                self.handleError(record)
+        if not lines or self.stream is None:
+            return
+        try:
+            self.stream.write("".join(lines))
+            self.stream.flush()
+        except Exception:
+            self.handleError(records[-1])
+
+
 def logging_config(log_format: str) -> dict[str, Any]:
     """A ``logging.config.dictConfig`` document for ``SERVE_LOG_FORMAT`` (``text`` or ``json``).
 
@@ -49,14 +136,16 @@ def logging_config(log_format: str) -> dict[str, Any]:
         else {"format": TEXT_FORMAT, "datefmt": TEXT_DATE_FORMAT}
     )
 
-    def stream(name: str) -> dict[str, Any]:
-        return {"class": "logging.StreamHandler", "formatter": "serve", "stream": f"ext://sys.{name}"}
+    def stream(name: str, handler: str = "logging.StreamHandler") -> dict[str, Any]:
+        return {"class": handler, "formatter": "serve", "stream": f"ext://sys.{name}"}
 
     return {
         "version": 1,
         "disable_existing_loggers": False,
         "formatters": {"serve": formatter},
-        "handlers": {"stderr": stream("stderr"), "stdout": stream("stdout")},
+        # Access lines (stdout) through the writer thread; the rest, rare and
+        # wanted at once when a worker is failing, straight to stderr.
+        "handlers": {"stderr": stream("stderr"), "stdout": stream("stdout", f"{__name__}.LineWriter")},
         "root": {"level": "INFO", "handlers": ["stderr"]},
         "loggers": {
             # No level: gunicorn has already set the one --log-level asks for.

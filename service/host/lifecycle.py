@@ -28,12 +28,15 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import signal
 import sys
 import time
 from typing import TYPE_CHECKING, Any
+
+from service.logs import ACCESS_LOGGER
 
 if TYPE_CHECKING:
     from service.runtime import ModelRuntime
@@ -131,6 +134,15 @@ def drain(worker: Any) -> None:
     requests have finished (or ``graceful_timeout`` ran out), so normally the
     queue is already empty.
     """
+    try:
+        _drain_batcher(worker)
+    finally:
+        # The access lines still queued for the writer thread (service.logs.LineWriter).
+        for handler in logging.getLogger(ACCESS_LOGGER).handlers:
+            handler.flush()
+
+
+def _drain_batcher(worker: Any) -> None:
     runtime = runtime_of(worker)
     if runtime is None or runtime.batcher is None:
         return  # not this service's worker, or no model (serve_when_loaded said why)

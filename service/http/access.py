@@ -75,18 +75,8 @@ def init_app(app: Flask, metrics: Metrics) -> None:
         response.headers[REQUEST_ID_HEADER] = rid
         route = route_label()
         metrics.observe_request(route, response.status_code, seconds)
-        fields: dict[str, Any] = {
-            "request_id": rid,
-            "remote": request.remote_addr,
-            "method": request.method,
-            "path": _printable(request.path),
-            "route": route,
-            "status": response.status_code,
-            "duration_ms": round(seconds * 1000, 3),
-            "batch_size": g.get("batch_size"),
-        }
-        text = {**fields, "batch_size": "-" if fields["batch_size"] is None else fields["batch_size"]}
-        access_log.info(ACCESS_LINE, text, extra={"fields": fields})
+        if access_log.isEnabledFor(logging.INFO):
+            _write_access_line(rid, route, response.status_code, seconds)
         return response
 
     @app.teardown_request
@@ -94,6 +84,26 @@ def init_app(app: Flask, metrics: Metrics) -> None:
         # Teardown runs even when a response could not be made.
         if g.pop("counted_in_flight", False):
             metrics.request_finished()
+
+
+def _write_access_line(rid: str, route: str, status: int, seconds: float) -> None:
+    fields: dict[str, Any] = {
+        "request_id": rid,
+        "remote": request.remote_addr,
+        "method": request.method,
+        "path": _printable(request.path),
+        "route": route,
+        "status": status,
+        "duration_ms": round(seconds * 1000, 3),
+        "batch_size": g.get("batch_size"),
+    }
+    text = {**fields, "batch_size": "-" if fields["batch_size"] is None else fields["batch_size"]}
+    # Made here rather than by access_log.info, which walks the stack for the
+    # caller's file and line on every request: the line never shows them.
+    record = access_log.makeRecord(
+        ACCESS_LOGGER, logging.INFO, __file__, 0, ACCESS_LINE, (text,), None, extra={"fields": fields}
+    )
+    access_log.handle(record)
 
 
 def _printable(path: str) -> str:

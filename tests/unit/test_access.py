@@ -135,3 +135,40 @@ def test_logging_config_is_a_valid_document() -> None:
     config = logging_config("json")
     assert config["formatters"]["serve"] == {"()": "service.logs.JsonFormatter"}
     assert "gunicorn.access" not in config["loggers"]  # left to gunicorn, whose access log stays off
+
+
+def test_access_lines_from_many_threads_and_a_forked_child_all_come_out_whole() -> None:
+    # The writer thread is started in the process that logs, after a fork too, and
+    # what it has queued is out by the time the process exits.
+    program = textwrap.dedent(
+        """
+        import logging, logging.config, os, sys, threading
+        from service.logs import logging_config
+        logging.config.dictConfig(logging_config("text"))
+        access = logging.getLogger("service.access")
+        access.info("before the fork")
+        logging.getLogger("service.access").handlers[0].flush()
+        child = os.fork()
+        who = "child" if child == 0 else "parent"
+        threads = [
+            threading.Thread(target=lambda t=t: [access.info("%s %d %d", who, t, i) for i in range(500)])
+            for t in range(8)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if child == 0:
+            sys.exit(0)
+        os.waitpid(child, 0)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=True
+    )
+    lines = done.stdout.splitlines()
+    assert sum("before the fork" in line for line in lines) == 1
+    for who in ("parent", "child"):
+        for t in range(8):
+            numbers = [int(line.rsplit(" ", 1)[1]) for line in lines if f"] {who} {t} " in line]
+            assert numbers == list(range(500)), (who, t, numbers[:5])
