@@ -16,6 +16,7 @@ import numpy as np
 DIMENSIONS = 384
 # Not constant zeros: the encoder writes each float in full, as it would a real embedding's.
 VECTOR = np.linspace(-1.0, 1.0, DIMENSIONS, dtype=np.float32) / 3
+_ROWS = np.tile(VECTOR, (1024, 1))
 
 
 class FreeModel:
@@ -30,7 +31,10 @@ class FreeModel:
         return item
 
     def predict(self, batch: list[str]) -> np.ndarray:
-        return np.broadcast_to(VECTOR, (len(batch), DIMENSIONS))
+        # A view of rows made once: the model's own cost stays near nothing.
+        if len(batch) <= len(_ROWS):
+            return _ROWS[: len(batch)]
+        return np.tile(VECTOR, (len(batch), 1))
 
 
 def create() -> FreeModel:

@@ -4,6 +4,7 @@
     .venv/bin/python scripts/overhead.py                       # 64 clients, 4 routes, 3 rounds
     .venv/bin/python scripts/overhead.py --routes batched --seconds 10 --repeat 1
     .venv/bin/python scripts/overhead.py --worker-class gevent
+    .venv/bin/python scripts/overhead.py --routes batched --repeat 1 --profile   # and where the time goes
 
 The model takes no time (scripts/free_model.py: each text in, the same 384 floats
 out), so what a request costs is the request path alone. Beside the service runs
@@ -17,6 +18,11 @@ and then every route of the service, each in a gunicorn of its own started for i
 the table gives medians over the rounds and the ratios against the bare handler.
 Both servers run with SERVE_*/gunicorn defaults otherwise: the service's access
 line, metrics, admission and request ids all stay on, as in production.
+
+With --profile it then runs the first route once more while py-spy samples one
+worker's Python, counting only the thread that holds the GIL (``--gil``), and
+prints where those samples fall: each sample goes to the innermost frame of a
+known part (metrics, the access line, the batcher, the door, Flask, gunicorn...).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from scripts.launcher import LaunchError, free_port, serve, stop  # noqa: E402
 from scripts.loadgen import run_load  # noqa: E402
-from scripts.procs import tree_cpu_seconds  # noqa: E402
+from scripts.procs import children, tree_cpu_seconds  # noqa: E402
 
 CORPUS = ROOT / "scripts" / "corpus" / "mixed.txt"
 FREE_MODEL = "scripts.free_model:create"
@@ -56,6 +63,26 @@ ROUTES = {
     ),
 }
 WARM_UP_S = 2.0
+SAMPLE_RATE = 200  # py-spy samples a second
+# Where a sampled stack's time goes: the innermost frame whose file matches a part wins.
+PARTS = (
+    ("metrics (prometheus-client)", ("prometheus_client/", "service/metrics.py")),
+    ("access line (logging)", ("logging/", "service/logs.py", "service/http/access.py")),
+    ("batcher and hand-off", ("service/batching/",)),
+    ("admission at the door", ("service/http/door.py", "service/http/arrival.py")),
+    (
+        "parse, validate, encode",
+        (
+            "service/http/payload.py",
+            "service/http/v2",
+            "service/http/openai_api.py",
+            "service/models/",
+            "orjson",
+        ),
+    ),
+    ("Flask and werkzeug", ("flask/", "werkzeug/", "blinker/")),
+    ("gunicorn (HTTP, event loop)", ("gunicorn/", "service/host/", "selectors.py", "concurrent/futures/")),
+)
 
 
 @dataclass(frozen=True)
@@ -112,6 +139,17 @@ def main() -> int:
             )
     print()
     print(table(runs, args.routes))
+    if args.profile:
+        path, make = ROUTES[args.routes[0]]
+        bodies = [json.dumps(make(text)).encode() for text in texts]
+        with bare_flask(env, args.workers, threads, args.worker_class) as (url, pid):
+            bare = profile(url + path, pid, bodies, args)
+        with service(env) as (url, pid):
+            served = profile(url + path, pid, bodies, args)
+        print()
+        print(f"Where a worker's Python time goes on `{path}` (py-spy --gil; us of GIL held per request):")
+        print()
+        print(parts_table(bare, served))
     return 1 if any(run.errors for rs in runs.values() for run in rs) else 0
 
 
@@ -131,6 +169,7 @@ def parse_args() -> argparse.Namespace:
         help=f"comma-separated, of {', '.join(ROUTES)} (default: all)",
     )
     parser.add_argument("--texts", type=int, default=2000, help="lines of the corpus to cycle through")
+    parser.add_argument("--profile", action="store_true", help="then profile the first route with py-spy")
     args = parser.parse_args()
     unknown = set(args.routes) - set(ROUTES)
     if unknown:
@@ -202,6 +241,73 @@ def measure(name: str, url: str, pid: int, bodies: list[bytes], args: argparse.N
     result = run_load(url, bodies, args.clients, args.seconds)
     cpu = tree_cpu_seconds(pid) - before
     return Run(name, result.requests, result.errors, result.seconds, cpu, result.p50_ms)
+
+
+@dataclass(frozen=True)
+class Profile:
+    samples: Counter[str]  # py-spy samples by part
+    seconds: float  # sampled
+    requests: int  # answered by all workers meanwhile
+    workers: int
+
+    def us_per_request(self, part: str) -> float:
+        """GIL-held time in ``part`` per request, taking the sampled worker to serve its share."""
+        held_s = self.samples[part] / SAMPLE_RATE
+        return 1e6 * held_s / max(1.0, self.requests / self.workers)
+
+
+def profile(url: str, pid: int, bodies: list[bytes], args: argparse.Namespace) -> Profile:
+    """py-spy's GIL-holding samples of one worker under the same load, counted by part."""
+    worker = children(pid)[0]
+    run_load(url, bodies, args.clients, WARM_UP_S)
+    seconds = max(1, round(args.seconds))
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp, "profile.txt")
+        command = [
+            str(Path(sys.executable).with_name("py-spy")),
+            "record",
+            "--gil",
+            "--rate",
+            str(SAMPLE_RATE),
+        ]
+        command += ["--format", "raw", "--duration", str(seconds), "--pid", str(worker), "--output", str(raw)]
+        spy = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # The load spans the sampling: wrk runs as long, and py-spy starts first.
+        result = run_load(url, bodies, args.clients, seconds)
+        if spy.wait(timeout=60) != 0 or not raw.exists():
+            raise SystemExit("py-spy could not sample the worker (it needs ptrace: run as root or allow it)")
+        samples = count_parts(raw.read_text().splitlines())
+    return Profile(samples, seconds, result.requests, len(children(pid)))
+
+
+def count_parts(lines: list[str]) -> Counter[str]:
+    """Samples by part, from py-spy's raw format: ``frame;frame;... count`` per line, outermost first."""
+    counts: Counter[str] = Counter()
+    for line in lines:
+        stack, _, number = line.rstrip().rpartition(" ")
+        if not stack or not number.isdigit():
+            continue
+        counts[part_of(stack.split(";"))] += int(number)
+    return counts
+
+
+def part_of(frames: list[str]) -> str:
+    for frame in reversed(frames):
+        for name, markers in PARTS:
+            if any(marker in frame for marker in markers):
+                return name
+    return "other"
+
+
+def parts_table(bare: Profile, served: Profile) -> str:
+    lines = ["| part | bare Flask | service |", "| --- | ---: | ---: |"]
+    for name in [name for name, _ in PARTS] + ["other"]:
+        lines.append(f"| {name} | {bare.us_per_request(name):.0f} | {served.us_per_request(name):.0f} |")
+    total = [
+        sum(p.us_per_request(name) for name in [*(n for n, _ in PARTS), "other"]) for p in (bare, served)
+    ]
+    lines.append(f"| all | {total[0]:.0f} | {total[1]:.0f} |")
+    return "\n".join(lines)
 
 
 def table(runs: dict[str, list[Run]], routes: list[str]) -> str:

@@ -59,6 +59,9 @@ class LineWriter(logging.Handler):
 
     # Lines joined into one write at most; a burst larger than this takes several.
     MAX_LINES_PER_WRITE = 256
+    # After a write the thread lets lines gather this long before the next: woken
+    # for every line, it would cost each request a thread switch.
+    GATHER_S = 0.01
 
     def __init__(self, stream: IO[str] | None = None) -> None:
         super().__init__()
@@ -104,9 +107,11 @@ class LineWriter(logging.Handler):
                 except native.Empty:
                     break
             self._write([item for item in batch if isinstance(item, logging.LogRecord)])
-            for item in batch:
-                if not isinstance(item, logging.LogRecord):
-                    item.release()  # a flush waiting for the lines before it
+            flushes = [item for item in batch if not isinstance(item, logging.LogRecord)]
+            for done in flushes:
+                done.release()  # a flush waiting for the lines before it
+            if not flushes:
+                native.sleep(self.GATHER_S)
 
     def _write(self, records: list[logging.LogRecord]) -> None:
         lines = []

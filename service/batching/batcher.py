@@ -131,8 +131,9 @@ class BatchObserver:
     """Hooks for metrics. The base class ignores them.
 
     ``on_batch`` runs in the batch thread, ``on_queue_depth`` in whichever
-    thread changed the depth (under the batcher's lock, so the values arrive in
-    the order the depth took them), ``on_model_loaded`` in the runtime's loader
+    thread changed the depth, one call at a time (changes made during a call
+    coalesce into the next; the last call gets the depth as it is),
+    ``on_model_loaded`` in the runtime's loader
     thread. Each must be quick. One that raises is logged and ignored (see
     notify): a metrics fault must not lose a request or stop the batch thread.
     """
@@ -183,6 +184,8 @@ class Batcher:
         self._queue: native.SimpleQueue[Any] = native.SimpleQueue()
         self._lock = native.allocate_lock()  # guards _depth, _accepting and the in-flight counts
         self._depth = 0
+        self._depth_stale = False
+        self._reporting = native.allocate_lock()  # held by the one thread writing the depth (_report_depth)
         self._accepting = True
         self._carry: Pending | None = None
         # Requests inside their handlers now, and the most there were since the
@@ -260,10 +263,7 @@ class Batcher:
                     raise Overloaded(refusal.message, refusal.retry_after_s, reason="over_budget")
             self._depth += 1
             self._meter.submitted()
-            # Reported under the lock: reported after it, a request thread and
-            # the batch thread could report in the opposite order to their
-            # changes and leave a stale depth behind.
-            notify(self._observer.on_queue_depth, self._depth)
+        self._report_depth()
         # Runs in whichever thread completes the future: the batch thread, the
         # watchdog, or the caller cancelling it. None of them holds _lock then.
         pending.future.add_done_callback(lambda _: self._answered(pending))
@@ -352,8 +352,25 @@ class Batcher:
         if item is not _STOP:
             with self._lock:
                 self._depth -= 1
-                notify(self._observer.on_queue_depth, self._depth)
+            self._report_depth()
         return item
+
+    def _report_depth(self) -> None:
+        """Report the queue depth after a change, outside _lock; concurrent reports coalesce.
+
+        Reporting is a metrics write, too slow to hold the batcher's lock for
+        (every request thread and the batch thread take it). Whoever holds
+        _reporting writes the depth as it is then; a change made meanwhile only
+        marks the depth stale, and the holder writes again before it leaves, so
+        the last write always follows the last change.
+        """
+        self._depth_stale = True
+        while self._depth_stale and self._reporting.acquire(False):
+            try:
+                self._depth_stale = False
+                notify(self._observer.on_queue_depth, self._depth)
+            finally:
+                self._reporting.release()
 
     def _gather(self) -> list[Pending] | None:
         """The next batch, or None once the sentinel is reached and nothing is left."""

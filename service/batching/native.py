@@ -26,7 +26,7 @@ from _queue import Empty, SimpleQueue
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Empty", "SimpleQueue", "allocate_lock", "gevent_patched", "start_thread"]
+__all__ = ["Empty", "SimpleQueue", "allocate_lock", "gevent_patched", "sleep", "start_thread"]
 
 
 def gevent_patched() -> bool:
@@ -58,11 +58,21 @@ def _original(module: str, name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+# Looked up once, at import: unpatched then, or patched and found through gevent.
+# Either way the original; a lookup per lock cost each request two imports' worth.
+_allocate_lock = _original("_thread", "allocate_lock")
+
+
 def allocate_lock() -> Any:
     """A plain OS lock (``_thread.LockType``)."""
-    return _original("_thread", "allocate_lock")()
+    return _allocate_lock()
 
 
 def start_thread(target: Callable[[], None]) -> int:
     """Run ``target`` in a new OS thread; returns its ident."""
     return int(_original("_thread", "start_new_thread")(target, ()))
+
+
+def sleep(seconds: float) -> None:
+    """Block this OS thread for ``seconds``: gevent's patched ``time.sleep`` would expect a hub."""
+    _original("time", "sleep")(seconds)

@@ -10,9 +10,9 @@ status, latency and the size of the batch it ran in.
 from __future__ import annotations
 
 import logging
+import random
 import re
 import time
-import uuid
 from typing import Any
 
 from flask import Flask, Response, g, request
@@ -37,10 +37,16 @@ ACCESS_LINE = (
 
 
 def request_id(given: str | None) -> str:
-    """``given`` if it is a sane request id, else a new random one."""
+    """``given`` if it is a sane request id, else a new random one: 32 hex digits, as a UUID's.
+
+    From ``random`` rather than ``uuid.uuid4``, whose os.urandom call measured
+    20 us a request: an id must not repeat, not resist guessing. The random
+    module reseeds itself in each forked worker, so workers do not repeat
+    each other either.
+    """
     if given is not None and _SANE_REQUEST_ID.fullmatch(given):
         return given
-    return uuid.uuid4().hex
+    return f"{random.getrandbits(128):032x}"
 
 
 def route_label() -> str:

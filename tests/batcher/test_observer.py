@@ -69,9 +69,10 @@ def test_the_last_reported_depth_is_the_real_one_under_concurrent_submits() -> N
             thread.join(30)
     finally:
         batcher.stop(timeout=10)
-    # Reported under the batcher's lock, so the reports come in the order of the changes.
+    # Reports that overlap coalesce, but one always follows the last change.
     assert batcher.depth == 0 and recorder.depths[-1] == 0
-    assert len(recorder.depths) == 2 * 8 * 50
+    assert 0 < len(recorder.depths) <= 2 * 8 * 50
+    assert all(0 <= depth <= 8 for depth in recorder.depths)
     assert sum(items for items, *_ in recorder.batches) == 8 * 50
 
 
