@@ -1,0 +1,48 @@
+"""scripts/overhead.py's pure parts: the free model, the bare app, and how samples are told apart."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from scripts import bare_flask, free_model
+from scripts.overhead import PARTS, Profile, count_parts, part_of
+
+
+def test_the_free_model_answers_each_text_with_the_same_floats() -> None:
+    model = free_model.create()
+    out = model.predict(["a", "b", "c"])
+    assert out.shape == (3, free_model.DIMENSIONS) and out.dtype == np.float32
+    assert (out == free_model.VECTOR).all()
+    assert model.predict(["x"] * 2000).shape == (2000, free_model.DIMENSIONS)  # past the rows made once
+
+
+def test_the_bare_app_answers_as_the_service_does() -> None:
+    client = bare_flask.app.test_client()
+    answer = client.post("/predict/batched", json={"inputs": ["one", "two"]})
+    assert answer.status_code == 200
+    assert np.allclose(answer.json["outputs"], [free_model.VECTOR] * 2)
+
+
+def test_a_sample_goes_to_the_innermost_part_it_passed_through() -> None:
+    flask = "Flask.wsgi_app (flask/app.py:1479)"
+    finish = "init_app.<locals>.finish (service/http/access.py:70)"
+    inc = "MmapedValue.inc (prometheus_client/values.py:114)"
+    assert part_of(["_worker (concurrent/futures/thread.py:83)", flask, finish, inc]) == PARTS[0][0]
+    assert part_of(["_worker (concurrent/futures/thread.py:83)", flask, finish]) == "access line (logging)"
+    assert part_of(["<module> (x.py:1)"]) == "other"
+
+    lines = [
+        f"thread (1): MainThread;{flask};{finish};{inc} 3",
+        f"thread (2): T;{flask} 5",
+        "garbage line",
+    ]
+    counted = count_parts(lines)
+    assert counted["metrics (prometheus-client)"] == 3 and counted["Flask and werkzeug"] == 5
+    assert sum(counted.values()) == 8
+
+
+def test_samples_become_time_per_request_for_the_sampled_worker() -> None:
+    # 200 samples at 200 a second: 1 s of GIL held; 2 workers served 4,000 requests, 2,000 each.
+    samples = count_parts(["thread (1): T;Flask.wsgi_app (flask/app.py:1) 200"])
+    profile = Profile(samples, seconds=10, requests=4000, workers=2)
+    assert profile.us_per_request("Flask and werkzeug") == 500
