@@ -81,8 +81,13 @@ PARTS = (
         ),
     ),
     ("Flask and werkzeug", ("flask/", "werkzeug/", "blinker/")),
-    ("gunicorn (HTTP, event loop)", ("gunicorn/", "service/host/", "selectors.py", "concurrent/futures/")),
+    (
+        "gunicorn (HTTP, event loop)",
+        ("gunicorn/", "service/host/", "selectors.py", "concurrent/futures/thread.py"),
+    ),
 )
+# Frames of no part (threading.py, concurrent/futures/_base.py: a Future, a Condition) count
+# toward the part that called them: the batcher's futures to the batcher, gunicorn's to gunicorn.
 
 
 @dataclass(frozen=True)
@@ -137,8 +142,9 @@ def main() -> int:
                 f"errors {run.errors}",
                 flush=True,
             )
-    print()
-    print(table(runs, args.routes))
+    if runs:
+        print()
+        print(table(runs, args.routes))
     if args.profile:
         path, make = ROUTES[args.routes[0]]
         bodies = [json.dumps(make(text)).encode() for text in texts]
@@ -159,7 +165,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=15.0)
-    parser.add_argument("--repeat", type=int, default=3, help="rounds; the table gives medians")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds; the table gives medians (0: none)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--worker-class", choices=("gthread", "gevent"), default="gthread")
     parser.add_argument(

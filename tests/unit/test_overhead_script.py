@@ -30,6 +30,10 @@ def test_a_sample_goes_to_the_innermost_part_it_passed_through() -> None:
     assert part_of(["_worker (concurrent/futures/thread.py:83)", flask, finish, inc]) == PARTS[0][0]
     assert part_of(["_worker (concurrent/futures/thread.py:83)", flask, finish]) == "access line (logging)"
     assert part_of(["<module> (x.py:1)"]) == "other"
+    # A Future's frames belong to whoever uses it.
+    future = ["Future.set_result (concurrent/futures/_base.py:1)", "Condition.notify (threading.py:1)"]
+    assert part_of(["Batcher.run (service/batching/batcher.py:1)", *future]) == "batcher and hand-off"
+    assert part_of(["ThreadWorker.run (gunicorn/workers/gthread.py:1)", *future]) == PARTS[-1][0]
 
     lines = [
         f"thread (1): MainThread;{flask};{finish};{inc} 3",
