@@ -55,6 +55,9 @@ class LineWriter(logging.Handler):
     logs through the handler: the handler is made in the gunicorn master and a
     thread does not survive the fork. ``flush`` (called by logging.shutdown at
     exit, and by the worker as it drains) returns once every queued line is out.
+    A stream that stops taking lines (a stalled reader) does not hold memory
+    without bound: past MAX_QUEUED waiting lines, new ones are dropped, and the
+    next write says how many.
     """
 
     # Lines joined into one write at most; a burst larger than this takes several.
@@ -62,6 +65,9 @@ class LineWriter(logging.Handler):
     # After a write the thread lets lines gather this long before the next: woken
     # for every line, it would cost each request a thread switch.
     GATHER_S = 0.01
+    # Lines waiting at most. Past this the stream is blocked (a stalled reader of
+    # stdout): new lines are dropped and counted rather than held without bound.
+    MAX_QUEUED = 10_000
 
     def __init__(self, stream: IO[str] | None = None) -> None:
         super().__init__()
@@ -69,12 +75,16 @@ class LineWriter(logging.Handler):
         self._pid: int | None = None
         self._queue: Any = None
         self._start_lock = native.allocate_lock()
+        self._dropped = 0
 
     def handle(self, record: logging.LogRecord) -> bool:
         if not self.filter(record):
             return False
         if self._pid != os.getpid():
             self._start()
+        if self._queue.qsize() >= self.MAX_QUEUED:
+            self._dropped += 1  # under the GIL; a lost count now and then is no harm
+            return False
         self._queue.put(record)
         return True
 
@@ -115,6 +125,12 @@ class LineWriter(logging.Handler):
 
     def _write(self, records: list[logging.LogRecord]) -> None:
         lines = []
+        dropped, self._dropped = self._dropped, 0
+        if dropped:
+            lines.append(
+                f"{dropped} access lines were dropped: the log stream took more than "
+                f"{self.MAX_QUEUED} lines behind\n"
+            )
         for record in records:
             try:
                 lines.append(self.format(record) + "\n")

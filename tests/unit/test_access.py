@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import Callable
 
 import pytest
 from flask.testing import FlaskClient
 
 from service.http.access import REQUEST_ID_HEADER, request_id
-from service.logs import ACCESS_LOGGER, JsonFormatter, logging_config
+from service.logs import ACCESS_LOGGER, JsonFormatter, LineWriter, logging_config
 from service.settings import Settings
 
 VECTOR = [0.1 * i for i in range(16)]
@@ -172,3 +175,41 @@ def test_access_lines_from_many_threads_and_a_forked_child_all_come_out_whole() 
         for t in range(8):
             numbers = [int(line.rsplit(" ", 1)[1]) for line in lines if f"] {who} {t} " in line]
             assert numbers == list(range(500)), (who, t, numbers[:5])
+
+
+def test_a_blocked_log_stream_holds_a_bounded_number_of_lines_and_says_how_many_it_dropped() -> None:
+    class Stalled(io.StringIO):
+        def __init__(self) -> None:
+            super().__init__()
+            self.opened = threading.Event()
+
+        def write(self, text: str) -> int:
+            self.opened.wait(10)  # a reader that stopped reading
+            return super().write(text)
+
+    stream = Stalled()
+    writer = LineWriter(stream)
+    writer.MAX_QUEUED = 5
+    writer.setFormatter(logging.Formatter("%(message)s"))
+    log = logging.getLogger("test.stalled")
+    log.propagate = False
+    log.addHandler(writer)
+    try:
+        log.warning("first")  # taken by the writer thread, which then blocks writing it
+        for _ in range(100):  # until the writer thread has taken it
+            if writer._queue.qsize() == 0:
+                break
+            time.sleep(0.01)  # the writer thread's progress offers nothing to wait on
+        for i in range(50):
+            log.warning("line %d", i)
+        assert writer._queue.qsize() <= 5
+        stream.opened.set()
+        writer.flush()
+        log.warning("after")
+        writer.flush()
+    finally:
+        log.removeHandler(writer)
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "first" and lines[-1] == "after"
+    assert [line for line in lines if line.startswith("line ")] == [f"line {i}" for i in range(5)]
+    assert any(line.startswith("45 access lines were dropped") for line in lines), lines
