@@ -17,7 +17,8 @@ table in the report):
         --shape StepLoad --csv reports/step --html reports/step.html NaiveUser BatchedUser
 
 Users send texts drawn from scripts/corpus/mixed.txt (real prose of mixed length) when the
-model takes text, else items that fit it (service.models.base.sample_item); they learn the
+model takes text; JPEG uploads (the raw body for one image, multipart for several) when it
+takes images; else items that fit it (service.models.base.sample_item). They learn the
 served model from GET /info once, outside the request statistics.
 """
 
@@ -126,8 +127,8 @@ class ModelUser(HttpUser):
 
     @task
     def predict(self) -> None:
-        body = self.workload.body(self.items, self.rng)
-        with self.client.post(self.route, json=body, name=self.route, catch_response=True) as response:
+        sent = self.workload.request(self.items, self.rng)
+        with self.client.post(self.route, name=self.route, catch_response=True, **sent) as response:
             if response.status_code == 200 and len(response.json()["outputs"]) != self.items:
                 response.failure(f"{len(response.json()['outputs'])} outputs for {self.items} inputs")
 

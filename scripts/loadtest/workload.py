@@ -1,4 +1,8 @@
-"""What the load-test users send: texts from the mixed-length corpus, or sample items.
+"""What the load-test users send: texts from the mixed-length corpus, images as uploads, or sample items.
+
+An image model gets what its clients send most: one JPEG as the raw request body
+(``Content-Type: image/jpeg``), or several as ``multipart/form-data``; the image
+is decoded and preprocessed in the service's request thread as a real upload is.
 
 The served model is learnt once per host from ``GET /info``, outside Locust's client,
 so that the probe never shows in the request statistics.
@@ -14,7 +18,7 @@ from typing import Any
 
 import requests
 
-from service.models.base import sample_item
+from service.models.base import sample_item, sample_jpeg
 
 # Real prose, one sentence per line, from a few words to a long paragraph: the
 # benchmarks' corpus, so that the dashboard sees the lengths a service sees.
@@ -42,9 +46,18 @@ class Workload:
     texts: tuple[str, ...]
 
     def body(self, items: int, rng: random.Random) -> dict[str, Any]:
+        """A JSON request body of ``items`` items."""
         if self.model.get("item_kind") == "text":
             return {"inputs": [rng.choice(self.texts) for _ in range(items)]}
         return {"inputs": [sample_item(self.model, rng) for _ in range(items)]}
+
+    def request(self, items: int, rng: random.Random) -> dict[str, Any]:
+        """Keyword arguments for ``requests`` (Locust's client) that send ``items`` items."""
+        if self.model.get("item_kind") != "image":
+            return {"json": self.body(items, rng)}
+        if items == 1:
+            return {"data": sample_jpeg(rng), "headers": {"Content-Type": "image/jpeg"}}
+        return {"files": [("image", (f"{i}.jpg", sample_jpeg(rng), "image/jpeg")) for i in range(items)]}
 
 
 _cache: dict[str, Workload] = {}

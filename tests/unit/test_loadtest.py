@@ -154,3 +154,15 @@ def test_text_models_get_corpus_texts_and_others_sample_items() -> None:
     assert all(text in texts for text in text_body["inputs"])
     vector_body = Workload({"item_kind": "vector", "item_shape": [4]}, texts).body(2, rng)
     assert [len(item) for item in vector_body["inputs"]] == [4, 4]
+    assert Workload({"item_kind": "text", "item_shape": None}, texts).request(2, rng).keys() == {"json"}
+
+
+def test_image_models_get_jpeg_uploads() -> None:
+    images = Workload({"item_kind": "image", "item_shape": [3, 224, 224]}, ())
+    rng = random.Random(0)
+    one = images.request(1, rng)
+    assert one["headers"] == {"Content-Type": "image/jpeg"}
+    assert one["data"][:3] == b"\xff\xd8\xff"  # a JPEG's start
+    several = images.request(3, rng)
+    assert [(name, part[2]) for name, part in several["files"]] == [("image", "image/jpeg")] * 3
+    assert len({part[1] for _, part in several["files"]}) == 3, "different images"
