@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import images
 from tests.support.server import ROOT, Server, gunicorn
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -79,3 +80,30 @@ def test_a_plain_headless_run_keeps_its_user_count_and_think_time(server: Server
     with open(f"{prefix}_batching.csv") as f:
         batching = {(row["Users"], row["Route"]): row for row in csv.DictReader(f)}
     assert int(batching[("3 BatchedUser", "/predict/batched")]["Requests"]) > 0
+
+
+@pytest.mark.filterwarnings(images.JIT_DEPRECATED)
+@pytest.mark.parametrize("items", [1, 3])
+def test_locust_sends_an_image_model_jpeg_uploads(tmp_path: Path, items: int) -> None:
+    # One image as the raw body, several as multipart (scripts/loadtest/workload.py).
+    model_dir = images.image_model_dir(tmp_path / "model", "locust-cnn")
+    prefix = tmp_path / "images"
+    with gunicorn({"SERVE_MODEL": str(model_dir), "SERVE_WORKERS": "1"}) as image_server:
+        result = subprocess.run(
+            [
+                *(sys.executable, "-m", "locust", "-f", "locustfile.py", "--host", image_server.url),
+                *("--headless", "-u", "2", "-r", "2", "-t", "3s", "--wait-min", "0", "--wait-max", "0.05"),
+                *("--items-per-request", str(items), "--csv", str(prefix), "--only-summary"),
+                *("NaiveUser", "BatchedUser"),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        with open(f"{prefix}_stats.csv") as f:
+            stats = {row["Name"]: row for row in csv.DictReader(f)}
+        assert int(stats["Aggregated"]["Failure Count"]) == 0, stats
+        for route in ROUTES:
+            assert int(stats[route]["Request Count"]) > 0, stats[route]
