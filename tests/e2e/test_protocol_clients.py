@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -181,9 +182,15 @@ def test_v2_openai_and_predict_requests_are_batched_together(slow_echo: Server) 
     assert [value for value, _ in results] == [float(len(text)) for _, text in calls]
     # While one 200 ms batch runs, the others queue and go in together, whatever their protocol.
     assert max(size for _, size in results) > 1
-    log = slow_echo.log()
     routes = {"route=/v2/models/<name>/infer", "route=/v1/embeddings", "route=/predict"}
-    batched = [line for line in log.splitlines() if any(r in line for r in routes)]
+
+    def access_lines() -> list[str]:
+        return [line for line in slow_echo.log().splitlines() if any(r in line for r in routes)]
+
+    # A worker writes its access lines from a thread of its own, just after the answers.
+    deadline = time.monotonic() + 10
+    while len(batched := access_lines()) < len(calls) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the log file offers nothing to wait on
     assert len(batched) == len(calls)
     sizes = [int(line.split("batch_size=")[1].split()[0]) for line in batched]
     assert any(size > 1 for size, line in zip(sizes, batched, strict=True) if "/v2/" in line)
