@@ -15,6 +15,7 @@ width]``), crop the centre to ``center_crop``, scale to [0, 1], subtract
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,11 +147,15 @@ def _choice(document: dict[str, Any], key: str, allowed: tuple[str, ...], defaul
 
 def _per_channel(value: Any, key: str, count: int, where: str, *, positive: bool) -> tuple[float, ...]:
     values = value if isinstance(value, list) else [value]
-    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+    # Python's JSON reader takes NaN and Infinity, which would make every output NaN.
+    numbers = all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values
+    )
     if not numbers or len(values) not in (1, count) or (positive and not all(v > 0 for v in values)):
         sign = "positive " if positive else ""
         raise SettingsError(
-            f"{where}: {key} must be a {sign}number or a list of {count} ({count} channels), got {value!r}"
+            f"{where}: {key} must be a finite {sign}number or a list of {count} ({count} channels), "
+            f"got {value!r}"
         )
     return tuple(float(v) for v in values)
 

@@ -69,8 +69,10 @@ def test_an_image_model_keeps_onednns_cache_and_a_text_model_keeps_none(model_di
     ("declared", "says"),
     [
         ({"resize": 256}, "images must come out of one size"),
-        ({"center_crop": 224, "mean": [0.5, 0.5]}, "mean must be a number or a list of 3"),
-        ({"center_crop": 224, "std": 0}, "std must be a positive number"),
+        ({"center_crop": 224, "mean": [0.5, 0.5]}, "mean must be a finite number or a list of 3"),
+        ({"center_crop": 224, "std": 0}, "std must be a finite positive number"),
+        ({"center_crop": 224, "mean": [0.5, float("nan"), 0.5]}, "mean must be a finite number"),
+        ({"center_crop": 224, "std": float("inf")}, "std must be a finite positive number"),
         ({"center_crop": 0}, "center_crop must be a whole number or [height, width]"),
         ({"center_crop": 224, "channels": "RGBA"}, "channels must be one of RGB, BGR, L"),
         ({"center_crop": 224, "resample": "bilinear"}, "unknown key 'resample'"),
