@@ -19,6 +19,25 @@ SMALL_MLP = {"SERVE_MODEL": "mlp", "SERVE_MLP_WIDTH": "16", "SERVE_MLP_DEPTH": "
 ROUTES = ("/predict/batched", "/predict/naive")
 
 
+def headless(host: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``locust -f locustfile.py --headless`` against ``host``, which must end with 0."""
+    result = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", "locustfile.py", "--host", host, "--headless", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def read_stats(prefix: Path) -> dict[str, dict[str, str]]:
+    """Locust's ``PREFIX_stats.csv``, by request name."""
+    with open(f"{prefix}_stats.csv") as f:
+        return {row["Name"]: row for row in csv.DictReader(f)}
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
     with gunicorn(SMALL_MLP) as s:
@@ -29,20 +48,13 @@ def test_headless_step_load_writes_locust_s_reports_and_the_batching_figures(
     server: Server, tmp_path: Path
 ) -> None:
     prefix, report = tmp_path / "step", tmp_path / "step.html"
-    result = subprocess.run(
-        [
-            *(sys.executable, "-m", "locust", "-f", "locustfile.py", "--host", server.url, "--headless"),
-            *("--shape", "StepLoad", "--step-seconds", "3", "--metrics-interval", "0.5"),
-            *("--csv", str(prefix), "--html", str(report), "--only-summary", "NaiveUser", "BatchedUser"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    headless(
+        server.url,
+        *("--shape", "StepLoad", "--step-seconds", "3", "--metrics-interval", "0.5"),
+        *("--csv", str(prefix), "--html", str(report), "--only-summary", "NaiveUser", "BatchedUser"),
         timeout=180,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    with open(f"{prefix}_stats.csv") as f:
-        stats = {row["Name"]: row for row in csv.DictReader(f)}
+    stats = read_stats(prefix)
     assert set(stats) == {*ROUTES, "Aggregated"}, "GET /info and /metrics stay out of the statistics"
     assert int(stats["Aggregated"]["Failure Count"]) == 0
 
@@ -63,18 +75,11 @@ def test_headless_step_load_writes_locust_s_reports_and_the_batching_figures(
 
 def test_a_plain_headless_run_keeps_its_user_count_and_think_time(server: Server, tmp_path: Path) -> None:
     prefix = tmp_path / "plain"
-    result = subprocess.run(
-        [
-            *(sys.executable, "-m", "locust", "-f", "locustfile.py", "--host", server.url, "--headless"),
-            *("-u", "3", "-r", "3", "-t", "3s", "--wait-min", "0", "--wait-max", "0.05"),
-            *("--csv", str(prefix), "--only-summary", "BatchedUser"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    result = headless(
+        server.url,
+        *("-u", "3", "-r", "3", "-t", "3s", "--wait-min", "0", "--wait-max", "0.05"),
+        *("--csv", str(prefix), "--only-summary", "BatchedUser"),
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     assert "Shape test" not in result.stderr, "no shape runs unless one is asked for"
     assert "All users spawned" in result.stderr and "(3 total users)" in result.stderr
     with open(f"{prefix}_batching.csv") as f:
@@ -89,21 +94,13 @@ def test_locust_sends_an_image_model_jpeg_uploads(tmp_path: Path, items: int) ->
     model_dir = images.image_model_dir(tmp_path / "model", "locust-cnn")
     prefix = tmp_path / "images"
     with gunicorn({"SERVE_MODEL": str(model_dir), "SERVE_WORKERS": "1"}) as image_server:
-        result = subprocess.run(
-            [
-                *(sys.executable, "-m", "locust", "-f", "locustfile.py", "--host", image_server.url),
-                *("--headless", "-u", "2", "-r", "2", "-t", "3s", "--wait-min", "0", "--wait-max", "0.05"),
-                *("--items-per-request", str(items), "--csv", str(prefix), "--only-summary"),
-                *("NaiveUser", "BatchedUser"),
-            ],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
+        headless(
+            image_server.url,
+            *("-u", "2", "-r", "2", "-t", "3s", "--wait-min", "0", "--wait-max", "0.05"),
+            *("--items-per-request", str(items), "--csv", str(prefix), "--only-summary"),
+            *("NaiveUser", "BatchedUser"),
         )
-        assert result.returncode == 0, result.stderr[-3000:]
-        with open(f"{prefix}_stats.csv") as f:
-            stats = {row["Name"]: row for row in csv.DictReader(f)}
+        stats = read_stats(prefix)
         assert int(stats["Aggregated"]["Failure Count"]) == 0, stats
         for route in ROUTES:
             assert int(stats[route]["Request Count"]) > 0, stats[route]
