@@ -50,7 +50,9 @@ def first_non_finite(outputs: Outputs) -> int | None:
         # One reduction answers the common case: a NaN or infinity anywhere makes
         # the sum non-finite. A finite sum proves all are finite; a sum that only
         # overflowed falls through to the exact search below.
-        if math.isfinite(outputs.sum()):
+        with np.errstate(over="ignore"):  # an overflowing sum is expected here, and checked below
+            total = outputs.sum()
+        if np.isfinite(total):  # numpy's, not math's: the sum of a complex array is complex
             return None
         finite = np.isfinite(outputs.reshape(len(outputs), -1)).all(axis=1)
         return None if finite.all() else int(np.argmin(finite))

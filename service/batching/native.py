@@ -32,7 +32,7 @@ __all__ = ["Empty", "SimpleQueue", "allocate_lock", "gevent_patched", "sleep", "
 def gevent_patched() -> bool:
     """Whether gevent has patched ``threading`` in this process.
 
-    Asked for every request (each new future): once patched, a process stays
+    Asked for every batched request (service.batching.waiting): once patched, a process stays
     patched, so a yes is remembered; a no is asked again, since a gevent
     worker patches after this module may have been imported. Patching imports
     ``gevent.monkey``, so a process that has not imported it is not patched.
@@ -73,6 +73,9 @@ def start_thread(target: Callable[[], None]) -> int:
     return int(_original("_thread", "start_new_thread")(target, ()))
 
 
+_sleep = _original("time", "sleep")  # as _allocate_lock: the original, looked up once
+
+
 def sleep(seconds: float) -> None:
     """Block this OS thread for ``seconds``: gevent's patched ``time.sleep`` would expect a hub."""
-    _original("time", "sleep")(seconds)
+    _sleep(seconds)

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from collections.abc import Callable
 
 import pytest
@@ -181,9 +180,11 @@ def test_a_blocked_log_stream_holds_a_bounded_number_of_lines_and_says_how_many_
     class Stalled(io.StringIO):
         def __init__(self) -> None:
             super().__init__()
+            self.entered = threading.Event()
             self.opened = threading.Event()
 
         def write(self, text: str) -> int:
+            self.entered.set()
             self.opened.wait(10)  # a reader that stopped reading
             return super().write(text)
 
@@ -196,10 +197,7 @@ def test_a_blocked_log_stream_holds_a_bounded_number_of_lines_and_says_how_many_
     log.addHandler(writer)
     try:
         log.warning("first")  # taken by the writer thread, which then blocks writing it
-        for _ in range(100):  # until the writer thread has taken it
-            if writer._queue.qsize() == 0:
-                break
-            time.sleep(0.01)  # the writer thread's progress offers nothing to wait on
+        assert stream.entered.wait(10)
         for i in range(50):
             log.warning("line %d", i)
         assert writer._queue.qsize() <= 5

@@ -30,6 +30,8 @@ NAN, INF = math.nan, math.inf
         ([[1.0, [2.0, 3.0]], [1.0, [2.0, NAN]]], 1),  # ragged
         ([np.array([1.0]), np.array([NAN])], 1),  # a list of arrays
         (np.array([[1.0], [NAN]], dtype=object), 1),  # an object array
+        (np.array([1 + 1j, complex(1, NAN)]), 1),  # complex
+        (np.array([[3e38, 3e38], [1.0, INF]], dtype=np.float32), 1),  # the sum overflows, then the search
     ],
 )
 def test_non_finite_values_are_found_in_every_kind_of_output(outputs: Any, bad: int) -> None:
@@ -50,6 +52,8 @@ def test_non_finite_values_are_found_in_every_kind_of_output(outputs: Any, bad: 
         [None, True, 10**30, 2**70],
         [np.float32(1.5), np.int8(3)],
         [[]],
+        np.array([1 + 2j, 3 - 4j]),
+        np.full((2, 4), 3e38, dtype=np.float32),  # finite rows whose sum overflows
     ],
 )
 def test_finite_outputs_pass(outputs: Any) -> None:
