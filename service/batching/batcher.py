@@ -230,6 +230,11 @@ class Batcher:
         with self._lock:
             return predict_wait(self._meter.outstanding, self._meter.seconds_per_request)
 
+    def load(self) -> tuple[int, float | None]:
+        """Requests accepted and not yet answered, and the measured seconds per request (None: unknown)."""
+        with self._lock:
+            return self._meter.outstanding, self._meter.seconds_per_request
+
     def submit(
         self, items: list[Any], deadline: float, arrived: float | None = None, returning: bool = False
     ) -> Pending:

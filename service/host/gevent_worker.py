@@ -23,12 +23,17 @@ from typing import Any
 
 import gevent
 from gevent import monkey
+from gevent.event import Event
 from gevent.local import local
 from gevent.socket import wait_read
 from gunicorn.workers.ggevent import GeventWorker as _GeventWorker
 
-from service.host.hold import peek
-from service.host.worker import StampedApp
+from service.host.hold import HeldConnections, let_in, peek
+from service.host.worker import InTransit, StampedApp, room_test
+
+# How often held requests are let in as the batcher makes room: well under a
+# batch's time, and a few wake-ups a second at most while nothing is held.
+TICK_S = 0.005
 
 
 class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no type hints
@@ -49,33 +54,93 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
     def load_wsgi(self) -> None:
         super().load_wsgi()
         self._requests = local()
+        self._lot = Lot(self)
         self.wsgi = StampedApp(self.wsgi, self._requests)
 
     def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> None:
         requests = self._requests
         requests.at, requests.next_at = getattr(requests, "next_at", None), None
+        if getattr(requests, "in_transit", False):
+            requests.in_transit = False
+            self._lot.in_transit.landed()
         requests.hold_s = 0.0
         try:
             super().handle_request(listener_name, req, sock, addr)  # raises to close the connection
         finally:
             requests.at = None
             requests.returning = False
+            # An answer is out: the batcher may have room for a held client, whose
+            # request should reach it before the resend of the client just answered.
+            self._lot.poke()
         if requests.hold_s > 0 and self.alive:
-            began = time.monotonic()
-            if wait_out(sock, requests.hold_s):
-                requests.next_at = began  # its resend arrived when the hold began, at the latest
+            # A client refused again keeps its place: first come, first let in.
+            requests.first_held = getattr(requests, "first_held", None) or time.monotonic()
+            arrived = self._lot.wait_out(sock, requests.hold_s, requests.first_held)
+            if arrived is not None:
+                requests.next_at = arrived  # its resend arrived then
+                requests.in_transit = True
             requests.returning = True  # for the request it reads next
+        else:
+            requests.first_held = None
 
 
-def wait_out(sock: Any, seconds: float) -> bool:
-    """Leave ``sock`` unread for ``seconds``, or until its client hangs up; whether it sent more meanwhile."""
-    end = time.monotonic() + seconds
-    try:
-        wait_read(sock.fileno(), timeout=seconds)
-    except TimeoutError:
-        return False
-    if peek(sock) != "sent":
-        return False  # hung up: the caller reads the end and closes
-    # Its resend waits in the socket; the rest of the hold needs no watching.
-    gevent.sleep(max(0.0, end - time.monotonic()))
-    return True
+class Lot:
+    """The gevent worker's held connections: each greenlet waits out its own hold, or is let in early.
+
+    A greenlet whose client resent during its hold parks here; one releaser
+    greenlet, alive while any is parked, lets them in, longest held first, as
+    the batcher has room (service.host.hold.let_in): after each answer the
+    worker writes, and every TICK_S.
+    """
+
+    def __init__(self, worker: Any) -> None:
+        self._worker = worker
+        self._held: HeldConnections[tuple[Event, float]] = HeldConnections()
+        self._releaser: Any = None
+        self._answered = Event()
+        self.in_transit = InTransit()
+
+    def poke(self) -> None:
+        if self._held:
+            self._answered.set()
+
+    def wait_out(self, sock: Any, seconds: float, first: float) -> float | None:
+        """Leave ``sock`` unread for ``seconds``, until its client hangs up, or until it is let in.
+
+        When its client sent its next request meanwhile, when that arrived; else None.
+        """
+        began = time.monotonic()
+        try:
+            wait_read(sock.fileno(), timeout=seconds)
+        except TimeoutError:
+            return None
+        if peek(sock) != "sent":
+            return None  # hung up: the caller reads the end and closes
+        # Its resend waits in the socket; the rest of the hold needs no watching.
+        sent_at = time.monotonic()
+        let_in_early = Event()
+        key = self._held.hold((let_in_early, sent_at), began, seconds, first=first)
+        if self._releaser is None:
+            self._releaser = gevent.spawn(self._release)
+        let_in_early.wait(timeout=max(0.0, began + seconds - time.monotonic()))
+        self._held.let_go(key)
+        self.in_transit.sent()
+        return sent_at
+
+    def _release(self) -> None:
+        try:
+            while self._held:
+                now = time.monotonic()
+                self._held.due(now)  # their greenlets wake on their own timeouts
+                fits = room_test(self._worker, self.in_transit.count())
+                if fits is not None:
+                    for (let_in_early, _), _ in let_in(self._held, now, _sent_at, fits):
+                        let_in_early.set()
+                self._answered.wait(timeout=TICK_S)
+                self._answered.clear()
+        finally:
+            self._releaser = None
+
+
+def _sent_at(entry: tuple[Event, float]) -> float:
+    return entry[1]

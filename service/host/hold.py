@@ -39,37 +39,94 @@ from __future__ import annotations
 import heapq
 import itertools
 import socket
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
 
 class HeldConnections(Generic[T]):
-    """Connections (or anything) parked until a time. Pure: the caller passes the time."""
+    """Connections (or anything) parked until a time, or let go earlier. Pure: the caller passes the time.
+
+    Each has when its current hold began (``since``) and when its client was
+    first held (``first``), which a connection keeps while it is refused and
+    held again: letting go by ``first`` is first come, first served among the
+    refused, however often each was turned away.
+    """
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, float, T]] = []
-        self._order = itertools.count()
+        self._by_due: list[tuple[float, int]] = []  # (due, key); a key no longer live is skipped
+        self._live: dict[int, tuple[float, float, T]] = {}  # key -> (since, first, item)
+        self._keys = itertools.count()
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._live)
 
-    def hold(self, item: T, now: float, seconds: float) -> None:
-        heapq.heappush(self._heap, (now + seconds, next(self._order), now, item))
+    def hold(self, item: T, now: float, seconds: float, first: float | None = None) -> int:
+        """Park ``item`` for ``seconds`` from ``now``; its key, for ``let_go``."""
+        key = next(self._keys)
+        self._live[key] = (now, now if first is None else min(first, now), item)
+        heapq.heappush(self._by_due, (now + seconds, key))
+        return key
 
     def seconds_to_next(self, now: float) -> float | None:
         """Until the first release is due (0 if one is); None when nothing is held."""
-        if not self._heap:
+        self._skip_gone()
+        if not self._by_due:
             return None
-        return max(0.0, self._heap[0][0] - now)
+        return max(0.0, self._by_due[0][0] - now)
 
     def due(self, now: float, everything: bool = False) -> list[tuple[T, float]]:
         """Each item whose hold has ended (all of them with ``everything``), with when its hold began."""
         released = []
-        while self._heap and (everything or self._heap[0][0] <= now):
-            _, _, since, item = heapq.heappop(self._heap)
+        while self._skip_gone() and (everything or self._by_due[0][0] <= now):
+            _, key = heapq.heappop(self._by_due)
+            since, _, item = self._live.pop(key)
             released.append((item, since))
         return released
+
+    def longest_held(self) -> list[tuple[int, T]]:
+        """(key, item) for every item, the one first held earliest first; ``let_go(key)`` takes one."""
+        entries = sorted(self._live.items(), key=lambda entry: (entry[1][1], entry[0]))
+        return [(key, item) for key, (_, _, item) in entries]
+
+    def let_go(self, key: int) -> None:
+        """Take an item out before its hold ends; a key already let go is ignored."""
+        self._live.pop(key, None)  # its entry in _by_due is skipped when reached
+        if not self._live:
+            self._by_due.clear()
+
+    def _skip_gone(self) -> bool:
+        while self._by_due and self._by_due[0][1] not in self._live:
+            heapq.heappop(self._by_due)
+        return bool(self._by_due)
+
+
+def let_in(
+    held: HeldConnections[T],
+    now: float,
+    sent_at: Callable[[T], float | None],
+    fits: Callable[[float, int], bool],
+) -> list[tuple[T, float]]:
+    """Let held requests in early while the work ahead leaves room for them, longest held first.
+
+    ``sent_at(item)``: when the held client's next request arrived, None while
+    it has sent none (nothing waits to be let in). ``fits(waited_s, i)``:
+    whether a request that has waited ``waited_s`` would be admitted behind the
+    ``i`` requests let in before it now. The first that does not fit ends the
+    turn, so no client jumps ahead of one held longer. Returns (item, when its
+    request arrived) for each let in.
+    """
+    released: list[tuple[T, float]] = []
+    for key, item in held.longest_held():
+        arrived = sent_at(item)
+        if arrived is None:
+            continue
+        if not fits(max(0.0, now - arrived), len(released)):
+            break
+        released.append((item, arrived))
+        held.let_go(key)
+    return released
 
 
 def peek(sock: Any) -> str | None:

@@ -12,7 +12,10 @@
 # - Balance: see service.host.balance; the event loop alone reads and updates it.
 # - Holds: see service.host.hold. The request thread copies the door's hold
 #   from the environ onto its connection; the event loop parks the connection
-#   in HeldConnections instead of its poller and releases it when due.
+#   in HeldConnections instead of its poller, and releases it when due or, once
+#   its client has resent, as soon as the batcher has room (let_in), after any
+#   turn of the loop. InTransit counts those let in and not yet picked up by a
+#   thread: the event loop adds, request threads take off.
 
 """gunicorn's gthread worker: it stamps each request's arrival, and accepts only its share of connections.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import selectors
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from functools import partial
@@ -33,8 +37,10 @@ from typing import Any
 
 from gunicorn.workers.gthread import ThreadWorker
 
+from service.batching.admission import predict_wait
 from service.host.balance import Balance
-from service.host.hold import HeldConnections, peek
+from service.host.hold import HeldConnections, let_in, peek
+from service.host.lifecycle import runtime_of
 from service.http.arrival import ARRIVAL_ENVIRON_KEY, HOLD_ENVIRON_KEY, RETURNING_ENVIRON_KEY
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
@@ -68,15 +74,19 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         super().load_wsgi()
         self._arrivals = threading.local()
         self._held = HeldConnections()
+        self._in_transit = InTransit()
         self.wsgi = StampedApp(self.wsgi, self._arrivals)
 
     def enqueue_req(self, conn: Any) -> None:
-        # A resend sent during a hold arrived when the hold began, at the latest.
+        # A resend sent during a hold arrived when the worker first saw it, at the latest.
         held_since, conn.serve_held_since = getattr(conn, "serve_held_since", None), None
         conn.serve_arrived = time.monotonic() if held_since is None else held_since
         super().enqueue_req(conn)
 
     def handle(self, conn: Any) -> Any:
+        if getattr(conn, "serve_in_transit", False):
+            conn.serve_in_transit = False
+            self._in_transit.landed()
         self._arrivals.at = getattr(conn, "serve_arrived", None)
         self._arrivals.returning, conn.serve_returning = getattr(conn, "serve_returning", False), False
         self._arrivals.hold_s = 0.0
@@ -94,12 +104,21 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         conn.serve_hold_s = 0.0
         kept_alive = not fs.cancelled() and fs.exception() is None and fs.result() is True
         if hold_s > 0 and self.alive and kept_alive:
-            self._held.hold((conn, fs), time.monotonic(), hold_s)
-            # Watched while held, so that a client that closes is let go at once
-            # rather than keep its place among the worker's connections.
+            now = time.monotonic()
+            # A client refused again keeps its place: first come, first let in.
+            conn.serve_first_held = getattr(conn, "serve_first_held", None) or now
+            self._held.hold((conn, fs), now, hold_s, first=conn.serve_first_held)
+            if conn.parser.unreader.buf.getvalue():
+                # A body drain read ahead into its next request: it is already here.
+                conn.serve_held, conn.serve_sent_at = "sent", now
+                return
+            # Watched while held: a client that closes is let go at once rather
+            # than keep its place among the worker's connections, and a resend is
+            # seen when it arrives, to be let in as soon as there is room.
             conn.serve_held = "watched"
             self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._held_readable, conn))
             return
+        conn.serve_first_held = None
         super().finish_request(conn, fs)
 
     def _held_readable(self, conn: Any, _sock: Any) -> None:
@@ -112,8 +131,8 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
             self.nr_conns -= 1
             conn.close()
         else:
-            # Its resend waits in the socket until the hold ends; watching on would spin.
-            conn.serve_held = "sent"
+            # Its resend waits in the socket until it is let in; watching on would spin.
+            conn.serve_held, conn.serve_sent_at = "sent", time.monotonic()
 
     def wait_for_and_dispatch_events(self, timeout: float) -> None:
         wait = self._held.seconds_to_next(time.monotonic())
@@ -121,18 +140,33 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         self._release_held()
 
     def _release_held(self) -> None:
+        # After every turn of the loop: a turn follows each answer written
+        # (gthread's method queue), which is when room appears in the batcher.
+        now = time.monotonic()
         # A stopping worker lets every held connection go: its next request is
         # answered with "Connection: close", as gthread answers any then.
-        for (conn, fs), since in self._held.due(time.monotonic(), everything=not self.alive):
-            held, conn.serve_held = conn.serve_held, None
-            if held == "gone":
-                continue
-            if held == "watched":
-                self.poller.unregister(conn.sock)
-            if held == "sent" or conn.parser.unreader.buf.getvalue():
-                conn.serve_held_since = since
-            conn.serve_returning = True
-            super().finish_request(conn, fs)
+        for (conn, fs), _ in self._held.due(now, everything=not self.alive):
+            self._let_go(conn, fs)
+        if not self._held:
+            return
+        fits = room_test(self, self._in_transit.count())
+        if fits is None:
+            return
+        for (conn, fs), _ in let_in(self._held, now, _sent_at, fits):
+            self._let_go(conn, fs)
+
+    def _let_go(self, conn: Any, fs: Future[Any]) -> None:
+        held, conn.serve_held = conn.serve_held, None
+        if held == "gone":
+            return
+        if held == "watched":
+            self.poller.unregister(conn.sock)
+        elif held == "sent":
+            conn.serve_held_since = conn.serve_sent_at
+            conn.serve_in_transit = True
+            self._in_transit.sent()
+        conn.serve_returning = True
+        super().finish_request(conn, fs)
 
     def run(self) -> None:
         if self.balance is not None:
@@ -148,6 +182,61 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
     def _woken(self, _fd: Any) -> None:
         if self.balance is not None:  # registered only with one
             self.balance.woken()
+
+
+def _sent_at(entry: tuple[Any, Future[Any]]) -> float | None:
+    conn = entry[0]
+    return conn.serve_sent_at if conn.serve_held == "sent" else None
+
+
+class InTransit:
+    """Requests let in from a hold and not yet taken by a request thread (or greenlet).
+
+    The batcher does not count them yet, so the room left for more is what it
+    holds plus these. ``sent`` is called where they are let in, ``landed`` where
+    they are picked up, possibly in another thread: that side only appends to a
+    deque (thread-safe), and ``count``, on the letting side, takes them off.
+    """
+
+    def __init__(self) -> None:
+        self._sent = 0
+        self._landed: deque[None] = deque()
+        self._counted = 0
+
+    def sent(self) -> None:
+        self._sent += 1
+
+    def landed(self) -> None:
+        self._landed.append(None)
+
+    def count(self) -> int:
+        """Only from the side that calls ``sent``."""
+        while self._landed:
+            self._landed.popleft()
+            self._counted += 1
+        return max(0, self._sent - self._counted)
+
+
+def room_test(worker: Any, in_transit: int) -> Callable[[float, int], bool] | None:
+    """``fits(waited_s, i)`` for service.host.hold.let_in, from the worker's batcher now; None without one."""
+    runtime = getattr(worker, "_serve_runtime", None)
+    if runtime is None:
+        runtime = worker._serve_runtime = runtime_of(worker)
+    batcher = getattr(runtime, "batcher", None)
+    if runtime is None or batcher is None:
+        return None
+    outstanding, seconds_per_request = batcher.load()
+    rule = runtime.admission
+    ahead = outstanding + in_transit
+
+    # A held request competes with fresh ones on the fresh ones' terms, whatever
+    # it waited: let in at a turn of the loop that follows an answer, it reaches
+    # the door before the resend of the client just answered, which is why held
+    # clients get the room before the clients just served take it back.
+    def fits(_waited_s: float, released: int) -> bool:
+        return rule.room_for_fresh(predict_wait(ahead + released, seconds_per_request))
+
+    return fits
 
 
 class StampedApp:

@@ -141,3 +141,11 @@ def test_a_returning_client_is_let_in_while_the_work_ahead_fits_the_whole_budget
     # Past the whole budget, a returning client is refused too.
     refusal = rule.decide(0.0, 2.5, returning=True)
     assert refusal is not None and refusal.retry_after_s == 3
+
+
+def test_a_held_request_is_let_in_early_while_a_fresh_one_would_be_admitted() -> None:
+    rule = AdmissionRule(budget_s=2.0)
+    assert rule.room_for_fresh(1.0)  # 2 x 1 s ahead: the whole budget, just in
+    assert not rule.room_for_fresh(1.01)
+    # What it lets in, having waited out at most a quarter of the budget, the door admits.
+    assert rule.decide(0.5, 1.0, returning=True) is None

@@ -33,3 +33,20 @@ def test_the_stamp_of_the_thread_reaches_the_environ() -> None:
 def test_the_hooks_still_find_the_apps_extensions() -> None:
     # service.host.lifecycle reaches the runtime through worker.wsgi.extensions.
     assert StampedApp(_App(), threading.local()).extensions == {"serve": "the runtime"}
+
+
+def test_requests_in_transit_are_those_let_in_and_not_yet_picked_up() -> None:
+    from service.host.worker import InTransit
+
+    transit = InTransit()
+    for _ in range(3):
+        transit.sent()
+    assert transit.count() == 3
+    picked = [threading.Thread(target=transit.landed) for _ in range(2)]
+    for thread in picked:
+        thread.start()
+    for thread in picked:
+        thread.join()
+    assert transit.count() == 1
+    transit.landed()
+    assert transit.count() == 0
