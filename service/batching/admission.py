@@ -161,16 +161,15 @@ class AdmissionRule:
 
         ``waited_s``: since the request arrived; ``predicted_s``: predict_wait's
         answer; ``standing``: StandingQueue's verdict on the wait before the handler;
-        ``returning``: the request comes from a client refused before, whose
-        connection was held for its Retry-After (service.host.hold).
+        ``returning``: the request was let in from a hold because the batcher
+        had room for it (service.host.hold.let_in).
 
-        A returning request is admitted while the work ahead fits the whole
-        budget, a fresh one only while it fits with PREDICTION_MARGIN to spare.
-        Under sustained overload the queue then settles between the two, where
-        only returning clients get in: a client just served and resending at
-        once is refused and held in its turn. Without the difference the
-        clients served first keep their places, and the others are refused for
-        as long as the overload lasts.
+        Such a request is admitted while the work ahead fits the whole budget,
+        any other only while it fits with PREDICTION_MARGIN to spare: the
+        few fresh requests that reach the queue beside one let in do not turn
+        it away. Held clients are let in longest held first, so under a long
+        overload they take turns; one whose hold simply ended meets the fresh
+        requests' margin, which keeps accepted latency well within the budget.
         """
         if waited_s >= self.budget_s or (standing and waited_s >= self.door_target_s):
             limit = self.budget_s if waited_s >= self.budget_s else self.door_target_s

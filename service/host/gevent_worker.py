@@ -30,6 +30,7 @@ from gunicorn.workers.ggevent import GeventWorker as _GeventWorker
 
 from service.host.hold import HeldConnections, let_in, peek
 from service.host.worker import InTransit, StampedApp, room_test
+from service.http.arrival import HELD_OUT, LET_IN
 
 # How often held requests are let in as the batcher makes room: well under a
 # batch's time, and a few wake-ups a second at most while nothing is held.
@@ -68,18 +69,18 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
             super().handle_request(listener_name, req, sock, addr)  # raises to close the connection
         finally:
             requests.at = None
-            requests.returning = False
+            requests.returning = None
             # An answer is out: the batcher may have room for a held client, whose
             # request should reach it before the resend of the client just answered.
             self._lot.poke()
         if requests.hold_s > 0 and self.alive:
             # A client refused again keeps its place: first come, first let in.
             requests.first_held = getattr(requests, "first_held", None) or time.monotonic()
-            arrived = self._lot.wait_out(sock, requests.hold_s, requests.first_held)
+            arrived, early = self._lot.wait_out(sock, requests.hold_s, requests.first_held)
             if arrived is not None:
                 requests.next_at = arrived  # its resend arrived then
                 requests.in_transit = True
-            requests.returning = True  # for the request it reads next
+            requests.returning = LET_IN if early else HELD_OUT  # for the request it reads next
         else:
             requests.first_held = None
 
@@ -104,28 +105,29 @@ class Lot:
         if self._held:
             self._answered.set()
 
-    def wait_out(self, sock: Any, seconds: float, first: float) -> float | None:
+    def wait_out(self, sock: Any, seconds: float, first: float) -> tuple[float | None, bool]:
         """Leave ``sock`` unread for ``seconds``, until its client hangs up, or until it is let in.
 
-        When its client sent its next request meanwhile, when that arrived; else None.
+        When its client's next request arrived (None: it sent none meanwhile),
+        and whether it was let in before its hold ended.
         """
         began = time.monotonic()
         try:
             wait_read(sock.fileno(), timeout=seconds)
         except TimeoutError:
-            return None
+            return None, False
         if peek(sock) != "sent":
-            return None  # hung up: the caller reads the end and closes
+            return None, False  # hung up: the caller reads the end and closes
         # Its resend waits in the socket; the rest of the hold needs no watching.
         sent_at = time.monotonic()
         let_in_early = Event()
         key = self._held.hold((let_in_early, sent_at), began, seconds, first=first)
         if self._releaser is None:
             self._releaser = gevent.spawn(self._release)
-        let_in_early.wait(timeout=max(0.0, began + seconds - time.monotonic()))
+        early = let_in_early.wait(timeout=max(0.0, began + seconds - time.monotonic()))
         self._held.let_go(key)
         self.in_transit.sent()
-        return sent_at
+        return sent_at, bool(early)
 
     def _release(self) -> None:
         try:

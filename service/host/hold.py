@@ -2,11 +2,12 @@
 # - gthread: the event loop (the worker's main thread) alone owns HeldConnections.
 #   A request thread only marks its connection with the hold that was asked
 #   for; the loop's finish_request, which would put a kept-alive connection back
-#   in its poller for its next request, parks it here instead, watched only for
-#   a hang-up, and the loop releases it when due, before it next waits for
-#   events. No thread waits out a hold.
-# - gevent: the connection's own greenlet waits the hold out, woken early only
-#   by a hang-up, before it reads the next request; it holds no thread.
+#   in its poller for its next request, parks it here instead, watched for a
+#   hang-up or a resend, and after every turn the loop releases what is due and
+#   lets resends in while the batcher has room (let_in). No thread waits out a hold.
+# - gevent: the connection's own greenlet waits for a hang-up or a resend; a
+#   resend parks its greenlet in the worker's Lot, from which one releaser
+#   greenlet lets it in (let_in) or its own timeout ends the hold. No thread waits.
 
 """Holding a refused client's connection before reading its next request, without holding a thread.
 
@@ -19,12 +20,16 @@ feeds itself and outlasts what caused it.
 
 So when the door refuses a request that came straight from its client
 (service.http.door), the worker leaves that connection unread for the
-Retry-After it sent. A client that honours the header sees no difference; one
-that resends at once waits as if it had honoured it, and its resend costs
-nothing until then. A resend sent during the hold counts as arriving when the
-hold began, so the hold counts toward its latency budget: a request is
-admitted only if it can still be answered in time counted from when it was
-sent, and a hold is at most a quarter of the budget. Such a returning request is
+Retry-After it sent, or until the batcher has room for it, whichever comes
+first. A client that honours the header sees no difference; one that resends
+at once waits its turn, and its resend costs nothing until then. Held resends
+are let in longest held first (a client refused again keeps its place), as
+soon as the work ahead leaves the margin a fresh request needs, right after
+an answer is written: before the client just answered can resend, so the held
+take the room first. A resend counts as arriving when the worker saw it, so
+the hold counts toward its latency budget: a request is admitted only if it
+can still be answered in time counted from when it was sent, and a hold is at
+most a quarter of the budget. Such a returning request is
 exempt from the door's standing-queue test (it waited by the worker's choice,
 not in a queue; otherwise clients that had all been refused once would be
 refused for good), and is admitted while the work ahead fits what is left of

@@ -41,7 +41,13 @@ from service.batching.admission import predict_wait
 from service.host.balance import Balance
 from service.host.hold import HeldConnections, let_in, peek
 from service.host.lifecycle import runtime_of
-from service.http.arrival import ARRIVAL_ENVIRON_KEY, HOLD_ENVIRON_KEY, RETURNING_ENVIRON_KEY
+from service.http.arrival import (
+    ARRIVAL_ENVIRON_KEY,
+    HELD_OUT,
+    HOLD_ENVIRON_KEY,
+    LET_IN,
+    RETURNING_ENVIRON_KEY,
+)
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
@@ -88,13 +94,13 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
             conn.serve_in_transit = False
             self._in_transit.landed()
         self._arrivals.at = getattr(conn, "serve_arrived", None)
-        self._arrivals.returning, conn.serve_returning = getattr(conn, "serve_returning", False), False
+        self._arrivals.returning, conn.serve_returning = getattr(conn, "serve_returning", None), None
         self._arrivals.hold_s = 0.0
         try:
             return super().handle(conn)
         finally:
             self._arrivals.at = None
-            self._arrivals.returning = False
+            self._arrivals.returning = None
             conn.serve_hold_s = self._arrivals.hold_s
 
     def finish_request(self, conn: Any, fs: Future[Any]) -> None:
@@ -146,16 +152,16 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         # A stopping worker lets every held connection go: its next request is
         # answered with "Connection: close", as gthread answers any then.
         for (conn, fs), _ in self._held.due(now, everything=not self.alive):
-            self._let_go(conn, fs)
+            self._let_go(conn, fs, HELD_OUT)
         if not self._held:
             return
         fits = room_test(self, self._in_transit.count())
         if fits is None:
             return
         for (conn, fs), _ in let_in(self._held, now, _sent_at, fits):
-            self._let_go(conn, fs)
+            self._let_go(conn, fs, LET_IN)
 
-    def _let_go(self, conn: Any, fs: Future[Any]) -> None:
+    def _let_go(self, conn: Any, fs: Future[Any], how: str) -> None:
         held, conn.serve_held = conn.serve_held, None
         if held == "gone":
             return
@@ -165,7 +171,7 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
             conn.serve_held_since = conn.serve_sent_at
             conn.serve_in_transit = True
             self._in_transit.sent()
-        conn.serve_returning = True
+        conn.serve_returning = how
         super().finish_request(conn, fs)
 
     def run(self) -> None:
@@ -254,8 +260,9 @@ class StampedApp:
         arrived = getattr(self._arrivals, "at", None)
         if arrived is not None:
             environ[ARRIVAL_ENVIRON_KEY] = arrived
-        if getattr(self._arrivals, "returning", False):
-            environ[RETURNING_ENVIRON_KEY] = True
+        returning = getattr(self._arrivals, "returning", None)
+        if returning:
+            environ[RETURNING_ENVIRON_KEY] = returning
         answer = self._app(environ, start_response)
         self._arrivals.hold_s = environ.get(HOLD_ENVIRON_KEY, 0.0)
         return answer

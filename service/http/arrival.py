@@ -21,9 +21,13 @@ ARRIVAL_ENVIRON_KEY = "serve.arrived"
 # Seconds the worker holds a connection after a request on it was refused with
 # 503, before it reads the next one (service.host.hold); absent: no hold.
 HOLD_ENVIRON_KEY = "serve.hold_s"
-# Set by the worker on the first request it reads after a hold: its client was
-# refused before and waited, and the admission rule lets it in first.
+# Set by the worker on the first request it reads after a hold, whose client was
+# refused and then waited by the worker's choice, not in a queue: LET_IN when it
+# was let in early because the batcher had room for it (service.host.hold.let_in),
+# HELD_OUT when its hold simply ended.
 RETURNING_ENVIRON_KEY = "serve.returning"
+LET_IN = "let in"
+HELD_OUT = "held out"
 # The longest hold: long enough that an immediate resender costs a refusal a
 # second at most, short enough that a connection its client closed meanwhile
 # is not kept long, whatever Retry-After a slow model's queue asks for.

@@ -46,6 +46,7 @@ from service.errors import Overloaded
 from service.http.access import REQUEST_ID_HEADER, request_id
 from service.http.arrival import (
     ARRIVAL_ENVIRON_KEY,
+    LET_IN,
     RETURNING_ENVIRON_KEY,
     ask_to_hold,
     proxy_wait,
@@ -88,7 +89,7 @@ class Door:
         self._metrics.observe_wait(waited)
         batcher = self._runtime.batcher if queued else None
         predicted = batcher.predicted_wait() if batcher is not None else 0.0
-        returning = bool(environ.get(RETURNING_ENVIRON_KEY))
+        returning = environ.get(RETURNING_ENVIRON_KEY)
         # A returning request waited out a hold the worker chose, not a queue: it
         # neither shows nor is refused by a standing queue (else a service whose
         # clients had all been refused once would refuse them for good).
@@ -96,7 +97,7 @@ class Door:
         if not returning:
             with self._lock:
                 standing = self._standing.standing(waited, now)
-        refusal = self._runtime.admission.decide(waited, predicted, standing, returning)
+        refusal = self._runtime.admission.decide(waited, predicted, standing, returning == LET_IN)
         if refusal is None:
             return self._app(environ, start_response)
         self._metrics.count_error(Overloaded(refusal.message, reason="over_budget"))

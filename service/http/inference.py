@@ -23,7 +23,7 @@ from werkzeug.exceptions import HTTPException
 
 from service.batching.waiting import wait_result
 from service.errors import BadRequest, PayloadTooLarge
-from service.http.arrival import ARRIVAL_ENVIRON_KEY, RETURNING_ENVIRON_KEY
+from service.http.arrival import ARRIVAL_ENVIRON_KEY, LET_IN, RETURNING_ENVIRON_KEY
 from service.models import Model
 from service.models.base import Outputs
 from service.runtime import EXTENSION, ModelRuntime
@@ -108,7 +108,7 @@ def run_batched(parse: Parser) -> Batched:
     model, batcher = rt.require_ready()
     with batcher.in_flight():
         items = parse(read_body(), model)
-        returning = bool(request.environ.get(RETURNING_ENVIRON_KEY))
+        returning = request.environ.get(RETURNING_ENVIRON_KEY) == LET_IN
         pending = batcher.submit(items, until, arrived, returning)
         outputs = wait_result(pending.future, until - time.monotonic())
     g.batch_size = pending.batch_size
