@@ -143,16 +143,15 @@ class AdmissionRule:
     def standing_queue(self) -> StandingQueue:
         return StandingQueue(self.door_target_s, interval_s=self.door_target_s)
 
-    def room_for_fresh(self, predicted_s: float) -> bool:
-        """Whether the work ahead leaves a request that has not waited the margin a fresh one needs.
+    def admits_fresh(self, waited_s: float, predicted_s: float) -> bool:
+        """Whether a request that waited ``waited_s`` fits with the margin a fresh one needs.
 
         The test for letting a held request in before its hold ends
-        (service.host.hold.let_in). It has waited at most a quarter of the
-        budget (service.http.arrival.ask_to_hold), so with the work ahead
-        within half of it the door admits it as a returning request, whatever
-        the few that pass the door beside it add.
+        (service.host.hold.let_in); the door then admits it while the work
+        ahead fits the whole budget (``decide`` with ``returning``), whatever
+        the few requests that reach the queue beside it add.
         """
-        return PREDICTION_MARGIN * predicted_s <= self.budget_s
+        return waited_s + PREDICTION_MARGIN * predicted_s <= self.budget_s
 
     def decide(
         self, waited_s: float, predicted_s: float, standing: bool = False, returning: bool = False

@@ -235,12 +235,12 @@ def room_test(worker: Any, in_transit: int) -> Callable[[float, int], bool] | No
     rule = runtime.admission
     ahead = outstanding + in_transit
 
-    # A held request competes with fresh ones on the fresh ones' terms, whatever
-    # it waited: let in at a turn of the loop that follows an answer, it reaches
-    # the door before the resend of the client just answered, which is why held
-    # clients get the room before the clients just served take it back.
-    def fits(_waited_s: float, released: int) -> bool:
-        return rule.room_for_fresh(predict_wait(ahead + released, seconds_per_request))
+    # A held request is let in on a fresh request's terms, its wait counted. Let
+    # in at a turn of the loop that follows an answer, it reaches the door before
+    # the resend of the client just answered: held clients get the room that
+    # answer made before the clients just served can take it back.
+    def fits(waited_s: float, released: int) -> bool:
+        return rule.admits_fresh(waited_s, predict_wait(ahead + released, seconds_per_request))
 
     return fits
 

@@ -143,9 +143,10 @@ def test_a_returning_client_is_let_in_while_the_work_ahead_fits_the_whole_budget
     assert refusal is not None and refusal.retry_after_s == 3
 
 
-def test_a_held_request_is_let_in_early_while_a_fresh_one_would_be_admitted() -> None:
+def test_a_held_request_is_let_in_early_on_a_fresh_requests_terms() -> None:
     rule = AdmissionRule(budget_s=2.0)
-    assert rule.room_for_fresh(1.0)  # 2 x 1 s ahead: the whole budget, just in
-    assert not rule.room_for_fresh(1.01)
-    # What it lets in, having waited out at most a quarter of the budget, the door admits.
-    assert rule.decide(0.5, 1.0, returning=True) is None
+    assert rule.admits_fresh(0.5, 0.75)  # 0.5 s waited, 2 x 0.75 s ahead: the whole budget, just in
+    assert not rule.admits_fresh(0.5, 0.76)
+    # What it lets in, the door admits, with room for a few that get there first.
+    assert rule.decide(0.5, 0.75, returning=True) is None
+    assert rule.decide(0.5, 1.4, returning=True) is None
