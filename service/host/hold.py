@@ -29,14 +29,15 @@ an answer is written: before the client just answered can resend, so the held
 take the room first. A resend counts as arriving when the worker saw it, so
 the hold counts toward its latency budget: a request is admitted only if it
 can still be answered in time counted from when it was sent, and a hold is at
-most a quarter of the budget. Such a returning request is
-exempt from the door's standing-queue test (it waited by the worker's choice,
-not in a queue; otherwise clients that had all been refused once would be
-refused for good), and is admitted while the work ahead fits what is left of
-its budget, where a fresh request needs half of it spare: under a long
-overload clients take turns. A client that hangs up during the hold is let go
-at once (gthread watches the held socket; gevent's greenlet waits on it), so it
-does not keep its place among the worker's connections.
+most half the budget. Such a returning request is exempt from the door's
+standing-queue test (it waited by the worker's choice, not in a queue;
+otherwise clients that had all been refused once would be refused for good).
+One let in early is admitted while the work ahead fits what is left of its
+budget, so the few fresh requests that reach the queue beside it do not turn
+it away; one whose hold simply ended needs a fresh request's margin. A client
+that hangs up during the hold is let go at once (gthread watches the held
+socket; gevent's greenlet waits on it), so it does not keep its place among
+the worker's connections.
 """
 
 from __future__ import annotations
