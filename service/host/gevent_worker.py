@@ -28,7 +28,7 @@ from gevent.local import local
 from gevent.socket import wait_read
 from gunicorn.workers.ggevent import GeventWorker as _GeventWorker
 
-from service.host.hold import HeldConnections, let_in, peek
+from service.host.hold import HeldConnections, peek
 from service.host.worker import InTransit, StampedApp, room_test
 from service.http.arrival import HELD_OUT, LET_IN
 
@@ -122,6 +122,7 @@ class Lot:
         sent_at = time.monotonic()
         let_in_early = Event()
         key = self._held.hold((let_in_early, sent_at), began, seconds, first=first)
+        self._held.ready(key)
         if self._releaser is None:
             self._releaser = gevent.spawn(self._release)
         early = let_in_early.wait(timeout=max(0.0, began + seconds - time.monotonic()))
@@ -134,9 +135,9 @@ class Lot:
             while self._held:
                 now = time.monotonic()
                 self._held.due(now)  # their greenlets wake on their own timeouts
-                fits = room_test(self._worker, self.in_transit.count())
+                fits = room_test(self._worker, self.in_transit.count(), now, _sent_at)
                 if fits is not None:
-                    for (let_in_early, _), _ in let_in(self._held, now, _sent_at, fits):
+                    for let_in_early, _ in self._held.let_in(fits):
                         let_in_early.set()
                 self._answered.wait(timeout=TICK_S)
                 self._answered.clear()

@@ -52,87 +52,88 @@ T = TypeVar("T")
 
 
 class HeldConnections(Generic[T]):
-    """Connections (or anything) parked until a time, or let go earlier. Pure: the caller passes the time.
+    """Connections (or anything) parked until a time, or let in earlier. Pure: the caller passes the time.
 
     Each has when its current hold began (``since``) and when its client was
     first held (``first``), which a connection keeps while it is refused and
-    held again: letting go by ``first`` is first come, first served among the
-    refused, however often each was turned away.
+    held again. Those whose next request has arrived (``ready``) can be let in
+    before their hold ends (``let_in``), first held first: first come, first
+    served among the refused, however often each was turned away. Both orders
+    are heaps with entries left behind by what was taken out of the other, so
+    each turn costs a few operations however many are held.
     """
 
     def __init__(self) -> None:
         self._by_due: list[tuple[float, int]] = []  # (due, key); a key no longer live is skipped
-        self._live: dict[int, tuple[float, float, T]] = {}  # key -> (since, first, item)
+        self._ready: list[tuple[float, int]] = []  # (first, key) of those whose request arrived; likewise
+        self._live: dict[int, tuple[float, T]] = {}  # key -> (first, item)
         self._keys = itertools.count()
 
     def __len__(self) -> int:
         return len(self._live)
 
     def hold(self, item: T, now: float, seconds: float, first: float | None = None) -> int:
-        """Park ``item`` for ``seconds`` from ``now``; its key, for ``let_go``."""
+        """Park ``item`` for ``seconds`` from ``now``; its key, for ``ready`` and ``let_go``."""
         key = next(self._keys)
-        self._live[key] = (now, now if first is None else min(first, now), item)
+        self._live[key] = (now if first is None else min(first, now), item)
         heapq.heappush(self._by_due, (now + seconds, key))
         return key
 
+    def ready(self, key: int) -> None:
+        """The held client's next request has arrived: it may be let in before its hold ends."""
+        if key in self._live:
+            heapq.heappush(self._ready, (self._live[key][0], key))
+
     def seconds_to_next(self, now: float) -> float | None:
         """Until the first release is due (0 if one is); None when nothing is held."""
-        self._skip_gone()
-        if not self._by_due:
+        if not self._skip_gone(self._by_due):
             return None
         return max(0.0, self._by_due[0][0] - now)
 
-    def due(self, now: float, everything: bool = False) -> list[tuple[T, float]]:
-        """Each item whose hold has ended (all of them with ``everything``), with when its hold began."""
+    def due(self, now: float, everything: bool = False) -> list[T]:
+        """Each item whose hold has ended (all of them with ``everything``), in the order their holds end."""
         released = []
-        while self._skip_gone() and (everything or self._by_due[0][0] <= now):
+        while self._skip_gone(self._by_due) and (everything or self._by_due[0][0] <= now):
             _, key = heapq.heappop(self._by_due)
-            since, _, item = self._live.pop(key)
-            released.append((item, since))
+            released.append(self._live.pop(key)[1])
+        self._tidy()
         return released
 
-    def longest_held(self) -> list[tuple[int, T]]:
-        """(key, item) for every item, the one first held earliest first; ``let_go(key)`` takes one."""
-        entries = sorted(self._live.items(), key=lambda entry: (entry[1][1], entry[0]))
-        return [(key, item) for key, (_, _, item) in entries]
+    def let_in(self, fits: Callable[[T, int], bool]) -> list[T]:
+        """Let ready items in before their holds end, first held first, while ``fits(item, i)``.
+
+        ``fits(item, i)``: whether ``item`` would be admitted behind the ``i``
+        let in before it now. The first that does not fit ends the turn, so no
+        client jumps ahead of one held longer.
+        """
+        released: list[T] = []
+        while self._skip_gone(self._ready):
+            key = self._ready[0][1]
+            item = self._live[key][1]
+            if not fits(item, len(released)):
+                break
+            heapq.heappop(self._ready)
+            del self._live[key]
+            released.append(item)
+        self._tidy()
+        return released
 
     def let_go(self, key: int) -> None:
         """Take an item out before its hold ends; a key already let go is ignored."""
-        self._live.pop(key, None)  # its entry in _by_due is skipped when reached
+        self._live.pop(key, None)
+        self._tidy()
+
+    def _skip_gone(self, heap: list[tuple[float, int]]) -> bool:
+        while heap and heap[0][1] not in self._live:
+            heapq.heappop(heap)
+        return bool(heap)
+
+    def _tidy(self) -> None:
+        # Entries of items taken out through the other heap are skipped when they
+        # reach the top; with nothing held, none is left behind to skip.
         if not self._live:
             self._by_due.clear()
-
-    def _skip_gone(self) -> bool:
-        while self._by_due and self._by_due[0][1] not in self._live:
-            heapq.heappop(self._by_due)
-        return bool(self._by_due)
-
-
-def let_in(
-    held: HeldConnections[T],
-    now: float,
-    sent_at: Callable[[T], float | None],
-    fits: Callable[[float, int], bool],
-) -> list[tuple[T, float]]:
-    """Let held requests in early while the work ahead leaves room for them, longest held first.
-
-    ``sent_at(item)``: when the held client's next request arrived, None while
-    it has sent none (nothing waits to be let in). ``fits(waited_s, i)``:
-    whether a request that has waited ``waited_s`` would be admitted behind the
-    ``i`` requests let in before it now. The first that does not fit ends the
-    turn, so no client jumps ahead of one held longer. Returns (item, when its
-    request arrived) for each let in.
-    """
-    released: list[tuple[T, float]] = []
-    for key, item in held.longest_held():
-        arrived = sent_at(item)
-        if arrived is None:
-            continue
-        if not fits(max(0.0, now - arrived), len(released)):
-            break
-        released.append((item, arrived))
-        held.let_go(key)
-    return released
+            self._ready.clear()
 
 
 def peek(sock: Any) -> str | None:

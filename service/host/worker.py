@@ -33,13 +33,13 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from gunicorn.workers.gthread import ThreadWorker
 
 from service.batching.admission import predict_wait
 from service.host.balance import Balance
-from service.host.hold import HeldConnections, let_in, peek
+from service.host.hold import HeldConnections, peek
 from service.host.lifecycle import runtime_of
 from service.http.arrival import (
     ARRIVAL_ENVIRON_KEY,
@@ -49,6 +49,7 @@ from service.http.arrival import (
     RETURNING_ENVIRON_KEY,
 )
 
+T = TypeVar("T")
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
@@ -113,10 +114,11 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
             now = time.monotonic()
             # A client refused again keeps its place: first come, first let in.
             conn.serve_first_held = getattr(conn, "serve_first_held", None) or now
-            self._held.hold((conn, fs), now, hold_s, first=conn.serve_first_held)
+            conn.serve_hold_key = self._held.hold((conn, fs), now, hold_s, first=conn.serve_first_held)
             if conn.parser.unreader.buf.getvalue():
                 # A body drain read ahead into its next request: it is already here.
                 conn.serve_held, conn.serve_sent_at = "sent", now
+                self._held.ready(conn.serve_hold_key)
                 return
             # Watched while held: a client that closes is let go at once rather
             # than keep its place among the worker's connections, and a resend is
@@ -139,6 +141,7 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         else:
             # Its resend waits in the socket until it is let in; watching on would spin.
             conn.serve_held, conn.serve_sent_at = "sent", time.monotonic()
+            self._held.ready(conn.serve_hold_key)
 
     def wait_for_and_dispatch_events(self, timeout: float) -> None:
         wait = self._held.seconds_to_next(time.monotonic())
@@ -151,14 +154,14 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         now = time.monotonic()
         # A stopping worker lets every held connection go: its next request is
         # answered with "Connection: close", as gthread answers any then.
-        for (conn, fs), _ in self._held.due(now, everything=not self.alive):
+        for conn, fs in self._held.due(now, everything=not self.alive):
             self._let_go(conn, fs, HELD_OUT)
         if not self._held:
             return
-        fits = room_test(self, self._in_transit.count())
+        fits = room_test(self, self._in_transit.count(), now, _sent_at)
         if fits is None:
             return
-        for (conn, fs), _ in let_in(self._held, now, _sent_at, fits):
+        for conn, fs in self._held.let_in(fits):
             self._let_go(conn, fs, LET_IN)
 
     def _let_go(self, conn: Any, fs: Future[Any], how: str) -> None:
@@ -190,9 +193,9 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
             self.balance.woken()
 
 
-def _sent_at(entry: tuple[Any, Future[Any]]) -> float | None:
-    conn = entry[0]
-    return conn.serve_sent_at if conn.serve_held == "sent" else None
+def _sent_at(entry: tuple[Any, Future[Any]]) -> float:
+    sent_at: float = entry[0].serve_sent_at
+    return sent_at
 
 
 class InTransit:
@@ -223,8 +226,13 @@ class InTransit:
         return max(0, self._sent - self._counted)
 
 
-def room_test(worker: Any, in_transit: int) -> Callable[[float, int], bool] | None:
-    """``fits(waited_s, i)`` for service.host.hold.let_in, from the worker's batcher now; None without one."""
+def room_test(
+    worker: Any, in_transit: int, now: float, arrived: Callable[[T], float]
+) -> Callable[[T, int], bool] | None:
+    """``fits(item, i)`` for HeldConnections.let_in, from the worker's batcher now; None before it has one.
+
+    ``arrived(item)``: when the held client's next request arrived.
+    """
     runtime = getattr(worker, "_serve_runtime", None)
     if runtime is None:
         runtime = worker._serve_runtime = runtime_of(worker)
@@ -239,8 +247,8 @@ def room_test(worker: Any, in_transit: int) -> Callable[[float, int], bool] | No
     # in at a turn of the loop that follows an answer, it reaches the door before
     # the resend of the client just answered: held clients get the room that
     # answer made before the clients just served can take it back.
-    def fits(waited_s: float, released: int) -> bool:
-        return rule.admits_fresh(waited_s, predict_wait(ahead + released, seconds_per_request))
+    def fits(item: T, released: int) -> bool:
+        return rule.admits_fresh(now - arrived(item), predict_wait(ahead + released, seconds_per_request))
 
     return fits
 
