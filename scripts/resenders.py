@@ -19,6 +19,11 @@ own kept-alive connection sending 1 to 8 lines of scripts/corpus/mixed.txt to
 - **disturbance**: 64 clients on a warm service, and 4 processes that spin on the
   CPU for 10 s in the middle; goodput from 15 s after they stop against before.
 
+With ``--behind-nginx`` it runs the warm levels only, through nginx in front of
+the service (deploy/nginx.conf as scripts/serve_behind_nginx.py renders it): nginx's
+connections to the service carry every client's requests, so the service holds
+none of them, and nginx's own settings decide what immediate resenders cost.
+
 Loopback only; every part is bounded in time. It exits 1 if any answer was
 neither 200 nor 503.
 """
@@ -26,6 +31,7 @@ neither 200 nor 503.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -33,16 +39,19 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.launcher import serve  # noqa: E402
+from scripts.launcher import free_port, serve, stop, wait_ready  # noqa: E402
+from scripts.serve_behind_nginx import find_nginx  # noqa: E402
 
 CORPUS = ROOT / "scripts" / "corpus" / "mixed.txt"
 ROUTE = "/predict/batched"
@@ -116,6 +125,39 @@ def report(name: str, load: Load, seconds: float) -> dict[str, Any]:
     return row
 
 
+@contextlib.contextmanager
+def behind_nginx(backend_port: int) -> Iterator[int]:
+    """nginx on a free loopback port in front of the service on ``backend_port``; its port."""
+    nginx = find_nginx()
+    if nginx is None:
+        raise SystemExit("resenders: nginx not found; install it (apt-get install nginx)")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="resenders-nginx-") as tmp:
+        prefix = Path(tmp)
+        prefix.chmod(0o755)  # run as root, nginx's workers are 'nobody' and use temp dirs in here
+        command = [sys.executable, str(ROOT / "scripts" / "serve_behind_nginx.py"), "--nginx", nginx]
+        command += ["--backend", f"127.0.0.1:{backend_port}", "--listen", f"127.0.0.1:{port}"]
+        command += ["--prefix", str(prefix)]
+        log_path = prefix / "script.log"
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_ready(f"http://127.0.0.1:{port}", [process], timeout=60, log_path=log_path)
+            yield port
+        finally:
+            stop(process, grace=20)
+
+
+def warm_levels(port: int, lines: list[str], seconds: float) -> list[dict[str, Any]]:
+    Load(port, 32, lines).run(10)  # warm-up, not counted
+    rows = []
+    for clients in (32, 64, 256):
+        load = Load(port, clients, lines)
+        load.run(seconds)
+        rows.append(report(f"warm, {clients} clients", load, seconds))
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -123,18 +165,27 @@ def main() -> int:
     parser.add_argument("--worker-class", default="gthread", choices=("gthread", "gevent"))
     parser.add_argument("--seconds", type=float, default=30, help="seconds per warm level (default 30)")
     parser.add_argument("--json", type=Path, default=None, help="also write the windows here as JSON")
+    parser.add_argument("--behind-nginx", action="store_true", help="only the warm levels, through nginx")
     args = parser.parse_args()
     env = {**os.environ, "SERVE_WORKER_CLASS": args.worker_class}
     env.pop("SERVE_BIND", None)
     lines = [line.strip() for line in CORPUS.read_text().splitlines() if line.strip()]
     rows = []
 
+    if args.behind_nginx:
+        with serve(env, all_workers=True) as service, behind_nginx(service.port) as port:
+            rows = warm_levels(port, lines, args.seconds)
+        capacity = statistics.median(rows[0]["windows_rps"])
+        print()
+        print(f"behind nginx: capacity (median window, 32 clients): {capacity:.1f} req/s")
+        for row in rows[1:]:
+            print(f"{row['scenario']}: median window {statistics.median(row['windows_rps']) / capacity:.2f}x")
+        if args.json:
+            args.json.write_text(json.dumps({"behind_nginx": True, "capacity": capacity, "rows": rows}))
+        return 1 if [row for row in rows if set(row["statuses"]) - {"200", "503"}] else 0
+
     with serve(env, all_workers=True) as service:
-        Load(service.port, 32, lines).run(10)  # warm-up, not counted
-        for clients in (32, 64, 256):
-            load = Load(service.port, clients, lines)
-            load.run(args.seconds)
-            rows.append(report(f"warm, {clients} clients", load, args.seconds))
+        rows = warm_levels(service.port, lines, args.seconds)
         capacity = statistics.median(rows[0]["windows_rps"])
 
         disturbed = Load(service.port, 64, lines)

@@ -18,8 +18,8 @@ them 64 such clients send thousands a second: the refusals take the cores from
 the model, the queue stays long, and the door keeps refusing. The overload
 feeds itself and outlasts what caused it.
 
-So when the door refuses a request that came straight from its client
-(service.http.door), the worker leaves that connection unread for the
+So when the door refuses a request (service.http.door), or the batcher
+does, the worker leaves that connection unread for the
 Retry-After it sent, or until the batcher has room for it, whichever comes
 first. A client that honours the header sees no difference; one that resends
 at once waits its turn, and its resend costs nothing until then. Held resends
