@@ -127,7 +127,7 @@ class Lot:
             self._releaser = gevent.spawn(self._release)
         early = let_in_early.wait(timeout=max(0.0, began + seconds - time.monotonic()))
         self._held.let_go(key)
-        self.in_transit.sent()
+        self.in_transit.sent(time.monotonic())
         return sent_at, bool(early)
 
     def _release(self) -> None:
@@ -135,7 +135,7 @@ class Lot:
             while self._held:
                 now = time.monotonic()
                 self._held.due(now)  # their greenlets wake on their own timeouts
-                fits = room_test(self._worker, self.in_transit.count(), now, _sent_at)
+                fits = room_test(self._worker, self.in_transit.count(now), now, _sent_at)
                 if fits is not None:
                     for let_in_early, _ in self._held.let_in(fits):
                         let_in_early.set()

@@ -50,6 +50,9 @@ from service.http.arrival import (
 )
 
 T = TypeVar("T")
+# A request let in reaches a thread within milliseconds; one that has not after
+# this long never will (its client hung up), and no longer takes room.
+IN_TRANSIT_TTL_S = 1.0
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
@@ -158,7 +161,7 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
             self._let_go(conn, fs, HELD_OUT)
         if not self._held:
             return
-        fits = room_test(self, self._in_transit.count(), now, _sent_at)
+        fits = room_test(self, self._in_transit.count(now), now, _sent_at)
         if fits is None:
             return
         for conn, fs in self._held.let_in(fits):
@@ -173,7 +176,7 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         elif held == "sent":
             conn.serve_held_since = conn.serve_sent_at
             conn.serve_in_transit = True
-            self._in_transit.sent()
+            self._in_transit.sent(time.monotonic())
         conn.serve_returning = how
         super().finish_request(conn, fs)
 
@@ -204,26 +207,31 @@ class InTransit:
     The batcher does not count them yet, so the room left for more is what it
     holds plus these. ``sent`` is called where they are let in, ``landed`` where
     they are picked up, possibly in another thread: that side only appends to a
-    deque (thread-safe), and ``count``, on the letting side, takes them off.
+    deque (thread-safe), and ``count``, on the letting side, takes them off. One
+    not picked up within ``ttl_s`` (its client hung up first) stops counting, so
+    that a worker that runs for days does not see less room with each.
     """
 
-    def __init__(self) -> None:
-        self._sent = 0
+    def __init__(self, ttl_s: float = IN_TRANSIT_TTL_S) -> None:
+        self._ttl_s = ttl_s
+        self._sent: deque[float] = deque()  # when each was let in, oldest first
         self._landed: deque[None] = deque()
-        self._counted = 0
 
-    def sent(self) -> None:
-        self._sent += 1
+    def sent(self, now: float) -> None:
+        self._sent.append(now)
 
     def landed(self) -> None:
         self._landed.append(None)
 
-    def count(self) -> int:
+    def count(self, now: float) -> int:
         """Only from the side that calls ``sent``."""
         while self._landed:
             self._landed.popleft()
-            self._counted += 1
-        return max(0, self._sent - self._counted)
+            if self._sent:
+                self._sent.popleft()
+        while self._sent and self._sent[0] < now - self._ttl_s:
+            self._sent.popleft()
+        return len(self._sent)
 
 
 def room_test(

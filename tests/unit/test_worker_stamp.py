@@ -38,15 +38,19 @@ def test_the_hooks_still_find_the_apps_extensions() -> None:
 def test_requests_in_transit_are_those_let_in_and_not_yet_picked_up() -> None:
     from service.host.worker import InTransit
 
-    transit = InTransit()
+    transit = InTransit(ttl_s=1.0)
     for _ in range(3):
-        transit.sent()
-    assert transit.count() == 3
+        transit.sent(10.0)
+    assert transit.count(10.0) == 3
     picked = [threading.Thread(target=transit.landed) for _ in range(2)]
     for thread in picked:
         thread.start()
     for thread in picked:
         thread.join()
-    assert transit.count() == 1
+    assert transit.count(10.1) == 1
+    # One whose client hung up before a thread took it stops counting after the ttl.
+    transit.sent(10.5)
+    assert transit.count(10.9) == 2
+    assert transit.count(11.2) == 1
     transit.landed()
-    assert transit.count() == 0
+    assert transit.count(11.2) == 0
