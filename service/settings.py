@@ -199,6 +199,8 @@ class Settings:
     worker_class: str = "gthread"
     worker_connections: int | None = None
     balance_connections: bool = True
+    # Hold a refused client's connection before reading its next request (service.host.hold).
+    hold_refused: bool = True
     # Requests after which gunicorn replaces a worker (0: never); see max_requests_jitter.
     max_requests: int = 0
     # oneDNN primitives each worker keeps (ONEDNN_PRIMITIVE_CACHE_CAPACITY): one
@@ -312,6 +314,7 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "worker_class": ("SERVE_WORKER_CLASS", _Choice(WORKER_CLASSES)),
     "worker_connections": ("SERVE_WORKER_CONNECTIONS", _Integer(1, 100_000)),
     "balance_connections": ("SERVE_BALANCE_CONNECTIONS", _switch),
+    "hold_refused": ("SERVE_HOLD_REFUSED", _switch),
     "max_requests": ("SERVE_MAX_REQUESTS", _Integer(0, 1 << 31)),
     "onednn_cache": ("SERVE_ONEDNN_CACHE", _Integer(0, 1 << 20)),
     "devices": ("SERVE_DEVICES", _devices),

@@ -58,7 +58,8 @@ def _register_error_handlers(app: Flask, settings: Settings, metrics: Metrics) -
             response.headers["Retry-After"] = str(exc.retry_after_s)
             # Refused by the batcher (queue full, over the budget once queued), on any
             # protocol's route: held as the door's refusals are.
-            ask_to_hold(request.environ, exc.retry_after_s, settings.latency_budget_s)
+            if settings.hold_refused:
+                ask_to_hold(request.environ, exc.retry_after_s, settings.latency_budget_s)
         if isinstance(exc, Unauthorized):
             response.headers["WWW-Authenticate"] = 'Bearer realm="predict"'
         return response

@@ -113,7 +113,8 @@ class Door:
         )
         # Counted with the other answers, so 503s add up in serve_http_requests_total.
         self._metrics.observe_request(path, 503, time.monotonic() - now)
-        ask_to_hold(environ, refusal.retry_after_s, self._runtime.admission.budget_s)
+        if self._runtime.settings.hold_refused:
+            ask_to_hold(environ, refusal.retry_after_s, self._runtime.admission.budget_s)
         return _Refusal(body, environ.get("wsgi.input"), self._runtime.settings.max_body_bytes)
 
 

@@ -91,3 +91,22 @@ def test_a_refused_connection_is_held_for_its_retry_after_through_a_proxy_too(
     served = client.post("/predict", json=BODY)
     assert served.status_code == 200
     assert HOLD_ENVIRON_KEY not in environs[-1]
+
+
+def test_with_holds_off_a_refused_connection_is_read_again_at_once(
+    make_client: Callable[[Settings], FlaskClient],
+) -> None:
+    client = make_client(SMALL_MLP.replace(latency_budget_ms=1000, hold_refused=False))
+    environs: list[dict[str, Any]] = []
+    door = client.application.wsgi_app
+
+    def seen(environ: dict[str, Any], start_response: Any) -> Any:
+        environs.append(environ)
+        return door(environ, start_response)
+
+    client.application.wsgi_app = seen  # type: ignore[method-assign]
+    refused = client.post(
+        "/predict", json=BODY, environ_overrides={ARRIVAL_ENVIRON_KEY: time.monotonic() - 5}
+    )
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+    assert HOLD_ENVIRON_KEY not in environs[-1]

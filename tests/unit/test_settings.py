@@ -62,6 +62,8 @@ def test_the_latency_budget_follows_the_request_timeout_unless_set() -> None:
 def test_switches_take_on_and_off_and_their_usual_spellings(value: str, expected: bool) -> None:
     assert Settings.from_env({"SERVE_BALANCE_CONNECTIONS": value}).balance_connections is expected
     assert Settings().balance_connections is True
+    assert Settings.from_env({"SERVE_HOLD_REFUSED": value}).hold_refused is expected
+    assert Settings().hold_refused is True
 
 
 def test_an_empty_value_means_the_default() -> None:
