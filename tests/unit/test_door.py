@@ -56,11 +56,8 @@ def test_other_paths_pass_the_door_untouched(make_client: Callable[[Settings], F
     assert client.get("/info").json["limits"]["latency_budget_ms"] == 1000
 
 
-def test_a_refused_connection_is_held_for_its_retry_after_through_a_proxy_too(
-    make_client: Callable[[Settings], FlaskClient],
-) -> None:
-    client = make_client(SMALL_MLP.replace(latency_budget_ms=1000))
-    # The environ as the worker sees it once the app returns: the test client's response has a copy.
+def spied(client: FlaskClient) -> list[dict[str, Any]]:
+    """Each request's environ as the worker sees it once the app returns (the test client's is a copy)."""
     environs: list[dict[str, Any]] = []
     door = client.application.wsgi_app
 
@@ -69,6 +66,14 @@ def test_a_refused_connection_is_held_for_its_retry_after_through_a_proxy_too(
         return door(environ, start_response)
 
     client.application.wsgi_app = seen  # type: ignore[method-assign]
+    return environs
+
+
+def test_a_refused_connection_is_held_for_its_retry_after_through_a_proxy_too(
+    make_client: Callable[[Settings], FlaskClient],
+) -> None:
+    client = make_client(SMALL_MLP.replace(latency_budget_ms=1000))
+    environs = spied(client)
     # As the gthread worker stamps it: the connection was readable 5 s ago.
     straight = client.post(
         "/predict", json=BODY, environ_overrides={ARRIVAL_ENVIRON_KEY: time.monotonic() - 5}
@@ -97,14 +102,7 @@ def test_with_holds_off_a_refused_connection_is_read_again_at_once(
     make_client: Callable[[Settings], FlaskClient],
 ) -> None:
     client = make_client(SMALL_MLP.replace(latency_budget_ms=1000, hold_refused=False))
-    environs: list[dict[str, Any]] = []
-    door = client.application.wsgi_app
-
-    def seen(environ: dict[str, Any], start_response: Any) -> Any:
-        environs.append(environ)
-        return door(environ, start_response)
-
-    client.application.wsgi_app = seen  # type: ignore[method-assign]
+    environs = spied(client)
     refused = client.post(
         "/predict", json=BODY, environ_overrides={ARRIVAL_ENVIRON_KEY: time.monotonic() - 5}
     )
