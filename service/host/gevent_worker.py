@@ -88,22 +88,24 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
 class Lot:
     """The gevent worker's held connections: each greenlet waits out its own hold, or is let in early.
 
-    A greenlet whose client resent during its hold parks here; one releaser
-    greenlet, alive while any is parked, lets them in, longest held first, as
-    the batcher has room (service.host.hold.let_in): after each answer the
-    worker writes, and every TICK_S.
+    A greenlet whose client resent during its hold parks here, and is let in,
+    first held first, as the batcher has room (HeldConnections.let_in): by the
+    greenlet that has just written an answer, before it yields, so the held get
+    the room that answer made before the resend of the client just answered is
+    even read; and by one releaser greenlet, alive while any is parked, every
+    TICK_S, which also clears the holds that ended.
     """
 
     def __init__(self, worker: Any) -> None:
         self._worker = worker
         self._held: HeldConnections[tuple[Event, float]] = HeldConnections()
         self._releaser: Any = None
-        self._answered = Event()
         self.in_transit = InTransit()
 
     def poke(self) -> None:
+        """An answer is out: let in what the room it made fits."""
         if self._held:
-            self._answered.set()
+            self._let_in(time.monotonic())
 
     def wait_out(self, sock: Any, seconds: float, first: float) -> tuple[float | None, bool]:
         """Leave ``sock`` unread for ``seconds``, until its client hangs up, or until it is let in.
@@ -135,14 +137,16 @@ class Lot:
             while self._held:
                 now = time.monotonic()
                 self._held.due(now)  # their greenlets wake on their own timeouts
-                fits = room_test(self._worker, self.in_transit.count(now), now, _sent_at)
-                if fits is not None:
-                    for let_in_early, _ in self._held.let_in(fits):
-                        let_in_early.set()
-                self._answered.wait(timeout=TICK_S)
-                self._answered.clear()
+                self._let_in(now)
+                gevent.sleep(TICK_S)
         finally:
             self._releaser = None
+
+    def _let_in(self, now: float) -> None:
+        fits = room_test(self._worker, self.in_transit.count(now), now, _sent_at)
+        if fits is not None:
+            for let_in_early, _ in self._held.let_in(fits):
+                let_in_early.set()  # its greenlet runs before the hub next polls sockets
 
 
 def _sent_at(entry: tuple[Event, float]) -> float:
