@@ -16,9 +16,10 @@
 #   files (service.host.multiproc.mark_dead).
 # - Outside gunicorn (settings.prometheus_multiproc_dir is None) the values
 #   live in this app's own registry, which /metrics renders.
-# - Threads: request threads record through the HTTP hooks (service.access),
-#   the batch thread and the loader thread through the BatchObserver methods.
-#   prometheus_client holds a lock only for the length of one update, with no
+# - Threads: request threads record through the HTTP hooks (service.access)
+#   and the door into a Tally (service.tally), which writes a batch of their
+#   updates at a time; the batch thread and the loader thread write through the
+#   BatchObserver methods. prometheus_client holds a lock only for the length of one update, with no
 #   switch to another greenlet inside. Under gunicorn its locks are native OS
 #   locks even in a gevent worker, because gunicorn_conf.py imports it in the
 #   master, before gevent patches the forked worker: the batch thread and the
@@ -48,6 +49,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from service.batching.batcher import BatchObserver
 from service.errors import DeadlineExceeded, Overloaded, ServeError, SettingsError
 from service.settings import Settings
+from service.tally import Tally, observe_all
 
 EXTENSION = "serve_metrics"
 
@@ -198,6 +200,9 @@ class Metrics(BatchObserver):
         for kind in ("real", "padded"):
             self.tokens.labels(kind)
         self._request_series: dict[tuple[str, int], tuple[Any, Any]] = {}
+        self._shed_series: dict[tuple[str, str], Any] = {}
+        # Request threads' updates, written a batch at a time (service.tally).
+        self._tally = Tally()
 
     def init_app(self, app: Flask) -> None:
         app.extensions[EXTENSION] = self
@@ -206,10 +211,12 @@ class Metrics(BatchObserver):
     # -- HTTP side (service.access) -----------------------------------------------
 
     def request_started(self) -> None:
-        self.in_flight.inc()
+        self._tally.inc(self.in_flight, 1)
+        self._tally.enter()  # after, so that the first request in shows at once
 
     def request_finished(self) -> None:
-        self.in_flight.dec()
+        self._tally.inc(self.in_flight, -1)
+        self._tally.leave()
 
     def observe_request(self, route: str, code: int, seconds: float) -> None:
         # labels() takes the metric's lock and checks its values on every call;
@@ -219,18 +226,28 @@ class Metrics(BatchObserver):
             series = (self.requests.labels(route, str(code)), self.request_duration.labels(route))
             self._request_series[(route, code)] = series
         count, duration = series
-        count.inc()
-        duration.observe(seconds)
+        self._tally.inc(count)
+        self._tally.observe(duration, seconds)
+        self._tally.settle()
 
     def observe_wait(self, seconds: float) -> None:
-        self.wait_before_handler.observe(seconds)
+        self._tally.observe(self.wait_before_handler, seconds)
+        self._tally.settle()
 
     def count_error(self, exc: ServeError) -> None:
         """Count a shed request by its reason; called once per request, where it is answered."""
         if isinstance(exc, DeadlineExceeded):
-            self.timed_out.labels(exc.reason).inc()
+            key = ("timed_out", exc.reason)
         elif isinstance(exc, Overloaded):
-            self.rejected.labels(exc.reason).inc()
+            key = ("rejected", exc.reason)
+        else:
+            return
+        series = self._shed_series.get(key)
+        if series is None:
+            metric = self.timed_out if key[0] == "timed_out" else self.rejected
+            series = self._shed_series[key] = metric.labels(exc.reason)
+        self._tally.inc(series)
+        self._tally.settle()
 
     # -- batcher side (BatchObserver) ---------------------------------------------
 
@@ -239,13 +256,15 @@ class Metrics(BatchObserver):
         self.items.inc(items)
         self.batches.inc()
         self.model_duration.observe(model_seconds)
-        for waited in queue_waits:
-            self.queue_wait.observe(waited)
+        if queue_waits:
+            observe_all(self.queue_wait, queue_waits)
         self._record_gpu_memory()
         self._record_resident_memory()
 
     def on_queue_depth(self, depth: int) -> None:
-        self.queue_depth.set(depth)
+        # Twice a request (queued, taken): written with the request threads' updates.
+        self._tally.set(self.queue_depth, depth)
+        self._tally.settle()
 
     def on_sub_batches(self, real_tokens: int, padded_tokens: int, sub_batches: int) -> None:
         self.tokens.labels("real").inc(real_tokens)
@@ -282,9 +301,15 @@ class Metrics(BatchObserver):
 
     # -- exposition ---------------------------------------------------------------
 
+    def flush(self) -> None:
+        """Write the request threads' updates not yet written (a worker about to exit)."""
+        self._tally.flush()
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every worker's metrics."""
-        # Other workers' figures are as of their last batch; this one's are fresh.
+        # Other workers' figures are as of their last batch and their last flush
+        # (service.tally: exact once idle); this one's are fresh.
+        self._tally.flush()
         self._record_gpu_memory()
         self._record_resident_memory(force=True)
         if self.registry is not None:

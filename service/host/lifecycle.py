@@ -137,9 +137,22 @@ def drain(worker: Any) -> None:
     try:
         _drain_batcher(worker)
     finally:
-        # The access lines still queued for the writer thread (service.logs.LineWriter).
+        # The access lines still queued for the writer thread (service.logs.LineWriter),
+        # and the metric updates not yet written (service.tally): a dead worker's counters stay.
         for handler in logging.getLogger(ACCESS_LOGGER).handlers:
             handler.flush()
+        _flush_metrics(worker)
+
+
+def _flush_metrics(worker: Any) -> None:
+    if getattr(worker, "pid", None) != os.getpid():
+        return
+    from service.metrics import EXTENSION
+
+    extensions = getattr(getattr(worker, "wsgi", None), "extensions", None)
+    metrics = extensions.get(EXTENSION) if isinstance(extensions, dict) else None
+    if metrics is not None:
+        metrics.flush()
 
 
 def _drain_batcher(worker: Any) -> None:

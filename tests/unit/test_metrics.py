@@ -261,6 +261,9 @@ def test_multiprocess_counters_keep_dead_workers_and_gauges_drop_them(
         metrics.on_batch(3, 2, [0.001, 0.002], 0.003)
         metrics.on_queue_depth(2)
         metrics.on_model_loaded("cpu", 0.5)
+    # Each has a request in flight, so its request updates wait for its next
+    # flush (service.tally); the one that renders flushes its own.
+    workers[102].flush()
 
     alive = Scrape.parse(workers[101].render())
     assert alive.total("serve_http_requests_total", route="/predict", code="200") == 2
