@@ -145,10 +145,23 @@ def schedule(rate: float, seconds: float, kind: str, rng: random.Random) -> list
     return times
 
 
-def corpus_requests(path: str, corpus: Path = CORPUS) -> list[Request]:
-    """One batched request per corpus line: ``{"inputs": [line]}``."""
+def corpus_requests(
+    path: str, corpus: Path = CORPUS, texts: tuple[int, int] = (1, 1), count: int = 4096, seed: int = 0
+) -> list[Request]:
+    """Batched requests of corpus lines: one per line, ``{"inputs": [line]}``, by default.
+
+    ``texts=(low, high)``: ``count`` requests instead, each of between ``low``
+    and ``high`` lines drawn at random (seeded), as clients that send a few
+    texts at a time do.
+    """
     lines = [line.strip() for line in corpus.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return [Request(json.dumps({"inputs": [line]}).encode(), path) for line in lines]
+    if texts == (1, 1):
+        return [Request(json.dumps({"inputs": [line]}).encode(), path) for line in lines]
+    rng = random.Random(seed)
+    return [
+        Request(json.dumps({"inputs": rng.sample(lines, rng.randint(*texts))}).encode(), path)
+        for _ in range(count)
+    ]
 
 
 def _encode(request: Request, host: str, extra: Sequence[tuple[str, str]]) -> bytes:

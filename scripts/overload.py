@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/overload.py --worker-class gthread --multiples 2 5 --seconds 30
     .venv/bin/python scripts/overload.py --worker-class gevent --multiples 2 5 --seconds 30
+    .venv/bin/python scripts/overload.py --multiples 20 --texts 1-8 --recovery-seconds 15
     .venv/bin/python scripts/overload.py --refusal-cost
 
 For each worker class it starts the service (its own gunicorn on 127.0.0.1, the
@@ -12,6 +13,12 @@ offers that many times the capacity on a Poisson schedule (scripts/openloop.py)
 and reports goodput, answers by status, accepted latency from the scheduled
 send, how long the backlog took to drain after the last send, and /readyz and
 a lone request's latency right after. Rows print as a Markdown table.
+
+``--texts 1-8``: each request carries 1 to 8 lines instead of one, as clients
+that send a few texts at a time do (capacity is then measured with the same
+requests). ``--recovery-seconds S``: after the overload the schedule goes on at
+capacity itself for S seconds, and the row adds goodput from 5 s after the
+overload ended to the end, against capacity: whether the service came back.
 
 ``--refusal-cost`` measures the worker CPU one refusal costs: requests whose
 ``X-Request-Start`` says they already waited past the budget, at a fixed rate
@@ -24,6 +31,7 @@ import argparse
 import http.client
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -37,6 +45,8 @@ from scripts import openloop  # noqa: E402
 from scripts.launcher import Service, serve  # noqa: E402
 from scripts.procs import children  # noqa: E402
 
+# Goodput is back when, from this long after the overload ends, it matches capacity again.
+RECOVERED_AFTER_S = 5.0
 # Closed-loop clients for capacity: enough to fill batches, few enough that the
 # queue they keep stays within the latency budget (more are refused, and a
 # refused closed-loop client asks again at once).
@@ -73,9 +83,15 @@ def readyz(server: Service) -> int:
         conn.close()
 
 
-def table(worker_class: str, multiples: list[float], seconds: float) -> list[dict[str, Any]]:
+def table(
+    worker_class: str,
+    multiples: list[float],
+    seconds: float,
+    texts: tuple[int, int] = (1, 1),
+    recovery_s: float = 0.0,
+) -> list[dict[str, Any]]:
     env = dict(os.environ, SERVE_WORKER_CLASS=worker_class)
-    requests = openloop.corpus_requests("/predict/batched")
+    requests = openloop.corpus_requests("/predict/batched", texts=texts)
     rows = []
     with serve(env, ready_timeout=300, all_workers=True) as server:
         url = server.url + "/predict/batched"
@@ -84,13 +100,19 @@ def table(worker_class: str, multiples: list[float], seconds: float) -> list[dic
         print(f"overload: {worker_class}: capacity {capacity:.0f} req/s", file=sys.stderr)
         for multiple in multiples:
             time.sleep(2)  # let the previous run's connections close
-            summary = openloop.run(url, requests, multiple * capacity, seconds).summary()
+            rng = random.Random(0)
+            times = openloop.schedule(multiple * capacity, seconds, "poisson", rng)
+            # Then capacity itself: what the service serves once the overload is over.
+            times += [seconds + t for t in openloop.schedule(capacity, recovery_s, "poisson", rng)]
+            result = openloop.run(url, requests, multiple * capacity, seconds + recovery_s, times=times)
             rows.append(
                 {
                     "worker_class": worker_class,
                     "capacity_rps": round(capacity, 1),
+                    "texts_per_request": f"{texts[0]}-{texts[1]}" if texts[0] != texts[1] else str(texts[0]),
                     "multiple": multiple,
-                    **summary,
+                    **overload_phase(result, seconds).summary(),
+                    "recovered_rps": recovered_rps(result, seconds, recovery_s),
                     "readyz_after": readyz(server),
                     "lone_ms_before": before,
                     "lone_ms_after": lone_latency_ms(server),
@@ -99,22 +121,49 @@ def table(worker_class: str, multiples: list[float], seconds: float) -> list[dic
     return rows
 
 
+def overload_phase(result: openloop.Result, seconds: float) -> openloop.Result:
+    """The requests sent during the overload alone, as if nothing followed them."""
+    sent = [o for o in result.outcomes if o.scheduled < seconds]
+    return openloop.Result(
+        rate=len(sent) / seconds,
+        seconds=seconds,
+        outcomes=sent,
+        cpu_s=result.cpu_s,
+        last_answer_s=max((o.scheduled + o.latency_s for o in sent), default=0.0),
+        peak_connections=result.peak_connections,
+    )
+
+
+def recovered_rps(result: openloop.Result, seconds: float, recovery_s: float) -> float | None:
+    """200s a second answered from RECOVERED_AFTER_S after the overload ended until the run's end."""
+    if recovery_s <= RECOVERED_AFTER_S:
+        return None
+    start, end = seconds + RECOVERED_AFTER_S, seconds + recovery_s
+    ok = sum(o.status == "200" and start <= o.scheduled + o.latency_s < end for o in result.outcomes)
+    return round(ok / (end - start), 1)
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| offered | capacity | goodput | 200 | 503 | other | accepted p50 | accepted p99 "
-        "| drained after | /readyz after | lone request before → after |",
-        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        "| offered | texts a request | capacity | goodput | 200 | 503 | other | accepted p50 | accepted p99 "
+        f"| drained after | goodput from {RECOVERED_AFTER_S:g} s after | /readyz after "
+        "| lone request before → after |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         status = dict(r["by_status"])
         ok, refused = status.pop("200", 0), status.pop("503", 0)
         other = ", ".join(f"{k}: {v}" for k, v in status.items()) or "none"
+        recovered = r["recovered_rps"]
+        back = "not run"
+        if recovered is not None:
+            back = f"{recovered:.0f} req/s ({recovered / r['capacity_rps']:.2f}x)"
         lines.append(
             f"| {r['multiple']:g}x capacity, {r['worker_class']} ({r['offered_rps']:.0f} req/s) "
-            f"| {r['capacity_rps']:.0f} req/s | {r['goodput_rps']:.0f} req/s "
+            f"| {r['texts_per_request']} | {r['capacity_rps']:.0f} req/s | {r['goodput_rps']:.0f} req/s "
             f"({r['goodput_rps'] / r['capacity_rps']:.2f}x) | {ok} | {refused} | {other} "
             f"| {r['accepted_ms']['p50'] / 1000:.2f} s | {r['accepted_ms']['p99'] / 1000:.2f} s "
-            f"| {r['drain_s']:.2f} s | {r['readyz_after']} "
+            f"| {r['drain_s']:.2f} s | {back} | {r['readyz_after']} "
             f"| {r['lone_ms_before']:.0f} → {r['lone_ms_after']:.0f} ms |"
         )
     return "\n".join(lines)
@@ -155,11 +204,35 @@ def refusal_cost(rate: float, seconds: float) -> dict[str, Any]:
     }
 
 
+def texts_range(text: str) -> tuple[int, int]:
+    low, dash, high = text.partition("-")
+    try:
+        span = (int(low), int(high if dash else low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or LOW-HIGH") from None
+    if not 1 <= span[0] <= span[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= LOW <= HIGH")
+    return span
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker-class", choices=("gthread", "gevent", "sync"), default="gthread")
     parser.add_argument("--multiples", type=float, nargs="+", default=[2.0, 5.0])
     parser.add_argument("--seconds", type=float, default=30, help="seconds of load per row (default 30)")
+    parser.add_argument(
+        "--texts",
+        type=texts_range,
+        default=(1, 1),
+        help="texts a request: N, or LOW-HIGH drawn at random per request (default 1)",
+    )
+    parser.add_argument(
+        "--recovery-seconds",
+        type=float,
+        default=0.0,
+        help=f"then offer capacity itself this long, and report goodput from {RECOVERED_AFTER_S:g} s "
+        "after the overload ended (default 0: no recovery phase)",
+    )
     parser.add_argument("--refusal-cost", action="store_true", help="instead: what one refusal costs")
     parser.add_argument("--rate", type=float, default=500, help="refusals a second for --refusal-cost")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here as JSON")
@@ -168,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         result: Any = refusal_cost(args.rate, args.seconds)
         print(json.dumps(result, indent=2))
     else:
-        result = table(args.worker_class, args.multiples, args.seconds)
+        result = table(args.worker_class, args.multiples, args.seconds, args.texts, args.recovery_seconds)
         print(markdown(result))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -1,0 +1,65 @@
+"""scripts/overload.py's pure parts: requests of several texts, and the overload and recovery phases."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from scripts import openloop, overload
+from scripts.openloop import Outcome, Result
+
+
+def test_requests_of_several_texts_stay_within_the_range_and_are_seeded() -> None:
+    requests = openloop.corpus_requests("/predict/batched", texts=(1, 8), count=200)
+    sizes = [len(json.loads(r.body)["inputs"]) for r in requests]
+    assert min(sizes) == 1 and max(sizes) == 8
+    assert requests == openloop.corpus_requests("/predict/batched", texts=(1, 8), count=200)
+    # The default stays one request per line of the corpus.
+    single = openloop.corpus_requests("/predict/batched")
+    assert all(len(json.loads(r.body)["inputs"]) == 1 for r in single)
+
+
+@pytest.mark.parametrize(("text", "span"), [("1", (1, 1)), ("1-8", (1, 8)), ("3-3", (3, 3))])
+def test_texts_range(text: str, span: tuple[int, int]) -> None:
+    assert overload.texts_range(text) == span
+
+
+@pytest.mark.parametrize("text", ["0", "8-1", "a", "1-", "-2"])
+def test_texts_range_refuses_nonsense(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        overload.texts_range(text)
+
+
+def outcome(scheduled: float, latency: float, status: str = "200") -> Outcome:
+    return Outcome(scheduled, 0.0, latency, status, "valid", False)
+
+
+def test_the_overload_phase_leaves_out_what_was_sent_after_it() -> None:
+    result = Result(
+        rate=0,
+        seconds=30,
+        outcomes=[outcome(1.0, 0.5), outcome(9.0, 2.0), outcome(9.5, 0.001, "503"), outcome(12.0, 0.1)],
+    )
+    phase = overload.overload_phase(result, seconds=10)
+    assert [o.scheduled for o in phase.outcomes] == [1.0, 9.0, 9.5]
+    summary = phase.summary()
+    assert summary["by_status"] == {"200": 2, "503": 1}
+    assert summary["drain_s"] == 1.0  # the last answer came 11 s in, 1 s after the overload ended
+
+
+def test_recovered_goodput_counts_the_200s_answered_from_5_s_after_the_overload() -> None:
+    result = Result(
+        rate=0,
+        seconds=25,
+        outcomes=[
+            outcome(11.0, 0.5),  # answered 11.5 s in: before the window
+            outcome(15.0, 0.5),
+            outcome(16.0, 1.0),
+            outcome(17.0, 0.1, "503"),
+            outcome(24.0, 2.0),  # answered after the run's end
+        ],
+    )
+    assert overload.recovered_rps(result, seconds=10, recovery_s=15) == pytest.approx(2 / 10)
+    assert overload.recovered_rps(result, seconds=10, recovery_s=0) is None
