@@ -200,9 +200,9 @@ class Metrics(BatchObserver):
         for kind in ("real", "padded"):
             self.tokens.labels(kind)
         self._request_series: dict[tuple[str, int], tuple[Any, Any]] = {}
-        self._shed_series: dict[tuple[str, str], Any] = {}
+        self._shed_series: dict[tuple[Counter, str], Any] = {}
         # Request threads' updates, written a batch at a time (service.tally).
-        self._tally = Tally()
+        self._tally = Tally(in_flight=self.in_flight)
 
     def init_app(self, app: Flask) -> None:
         app.extensions[EXTENSION] = self
@@ -211,11 +211,9 @@ class Metrics(BatchObserver):
     # -- HTTP side (service.access) -----------------------------------------------
 
     def request_started(self) -> None:
-        self._tally.inc(self.in_flight, 1)
-        self._tally.enter()  # after, so that the first request in shows at once
+        self._tally.enter()
 
     def request_finished(self) -> None:
-        self._tally.inc(self.in_flight, -1)
         self._tally.leave()
 
     def observe_request(self, route: str, code: int, seconds: float) -> None:
@@ -237,15 +235,14 @@ class Metrics(BatchObserver):
     def count_error(self, exc: ServeError) -> None:
         """Count a shed request by its reason; called once per request, where it is answered."""
         if isinstance(exc, DeadlineExceeded):
-            key = ("timed_out", exc.reason)
+            metric = self.timed_out
         elif isinstance(exc, Overloaded):
-            key = ("rejected", exc.reason)
+            metric = self.rejected
         else:
             return
-        series = self._shed_series.get(key)
+        series = self._shed_series.get((metric, exc.reason))
         if series is None:
-            metric = self.timed_out if key[0] == "timed_out" else self.rejected
-            series = self._shed_series[key] = metric.labels(exc.reason)
+            series = self._shed_series[(metric, exc.reason)] = metric.labels(exc.reason)
         self._tally.inc(series)
         self._tally.settle()
 

@@ -2,9 +2,10 @@
 # - Request threads (or greenlets) and the batch thread append to deques: an
 #   append is atomic and takes no lock. A flush pops what is there and writes
 #   it, one flush at a time (a native lock, never held by a recorder): the
-#   increments (counters, a gauge's up and down, a histogram's buckets and
-#   sum) would add up in any order, but of a gauge's values set one after the
-#   other the later must be written last.
+#   increments (counters, a histogram's buckets and sum) would add up in any
+#   order, but of a gauge's values set one after the other the later must be
+#   written last. The in-flight gauge is not recorded at all: each flush sets
+#   it to the requests between enter and leave, which the tally counts anyway.
 # - When to flush: when the first request enters an idle worker and when the
 #   last one in flight leaves (so a client that sends one request at a time, a
 #   test among them, reads exact figures from the next scrape, a long request
@@ -52,8 +53,10 @@ FLUSH_EVERY_S = 0.5
 class Tally:
     """Increments and observations for prometheus_client metric children, written in batches."""
 
-    def __init__(self, every_s: float = FLUSH_EVERY_S) -> None:
+    def __init__(self, every_s: float = FLUSH_EVERY_S, in_flight: Any = None) -> None:
+        """``in_flight``: a gauge each flush sets to the requests between ``enter`` and ``leave``."""
         self._every_s = every_s
+        self._in_flight_gauge = in_flight
         self._incs: deque[tuple[Any, float]] = deque()  # (counter or gauge child, amount)
         self._observations: deque[tuple[Any, float]] = deque()  # (histogram child, value)
         self._sets: deque[tuple[Any, float]] = deque()  # (gauge child, value): the last one counts
@@ -74,7 +77,7 @@ class Tally:
         self._sets.append((child, value))
 
     def enter(self) -> None:
-        """A request began: the first one in flushes, and what is recorded after waits."""
+        """A request began: the first one in flushes, so it shows at once; what is recorded after waits."""
         self._in_flight.append(None)
         if len(self._in_flight) == 1:
             self.flush()
@@ -111,12 +114,13 @@ class Tally:
                 observed[child].append(value)
             latest = dict(_drain(self._sets))
             for child, total in totals.items():
-                if total:  # a gauge's up and down within one flush cancel out
-                    child.inc(total)
+                child.inc(total)
             for child, values in observed.items():
                 observe_all(child, values)
             for child, value in latest.items():
                 child.set(value)
+            if self._in_flight_gauge is not None:
+                self._in_flight_gauge.set(len(self._in_flight))
 
 
 def _drain(pending: deque[tuple[Any, float]]) -> list[tuple[Any, float]]:

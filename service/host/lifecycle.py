@@ -57,13 +57,18 @@ def _claim_boot_error() -> bool:
 
 def runtime_of(worker: Any) -> ModelRuntime | None:
     """The runtime of the app a gunicorn worker serves, if it is this service's."""
-    if getattr(worker, "pid", None) != os.getpid():
-        return None  # the master, reaping a worker it lost
     from service.runtime import EXTENSION
 
-    extensions = getattr(getattr(worker, "wsgi", None), "extensions", None)
-    runtime: ModelRuntime | None = extensions.get(EXTENSION) if isinstance(extensions, dict) else None
+    runtime: ModelRuntime | None = _extension(worker, EXTENSION)
     return runtime
+
+
+def _extension(worker: Any, name: str) -> Any:
+    """The app's Flask extension ``name`` in a gunicorn worker; None in the master or for another app."""
+    if getattr(worker, "pid", None) != os.getpid():
+        return None  # the master, reaping a worker it lost
+    extensions = getattr(getattr(worker, "wsgi", None), "extensions", None)
+    return extensions.get(name) if isinstance(extensions, dict) else None
 
 
 def serve_when_loaded(worker: Any) -> None:
@@ -145,12 +150,9 @@ def drain(worker: Any) -> None:
 
 
 def _flush_metrics(worker: Any) -> None:
-    if getattr(worker, "pid", None) != os.getpid():
-        return
     from service.metrics import EXTENSION
 
-    extensions = getattr(getattr(worker, "wsgi", None), "extensions", None)
-    metrics = extensions.get(EXTENSION) if isinstance(extensions, dict) else None
+    metrics = _extension(worker, EXTENSION)
     if metrics is not None:
         metrics.flush()
 

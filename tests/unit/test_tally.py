@@ -58,11 +58,9 @@ def test_updates_wait_while_a_request_is_in_flight_and_the_last_one_out_writes_t
     requests = Counter("r_total", "r", registry=registry)
     in_flight = Gauge("f", "f", registry=registry)
     duration = histogram(registry)
-    tally = Tally(every_s=3600)  # no periodic flush within the test
-    tally.inc(in_flight, 1)
+    tally = Tally(every_s=3600, in_flight=in_flight)  # no periodic flush within the test
     tally.enter()
     assert registry.get_sample_value("f") == 1  # the first one into an idle worker shows at once
-    tally.inc(in_flight, 1)
     tally.enter()
     for _ in range(2):
         tally.inc(requests)
@@ -70,10 +68,8 @@ def test_updates_wait_while_a_request_is_in_flight_and_the_last_one_out_writes_t
         tally.settle()
     assert registry.get_sample_value("r_total") == 0
     assert registry.get_sample_value("f") == 1
-    tally.inc(in_flight, -1)
     tally.leave()
     assert registry.get_sample_value("r_total") == 0  # one is still in flight
-    tally.inc(in_flight, -1)
     tally.leave()
     assert registry.get_sample_value("r_total") == 2
     assert registry.get_sample_value("h_seconds_count") == 2
@@ -109,11 +105,9 @@ def test_of_a_gauges_values_the_last_one_recorded_is_written() -> None:
 def test_a_flush_shows_what_is_in_flight() -> None:
     registry = CollectorRegistry()
     in_flight = Gauge("f", "f", registry=registry)
-    tally = Tally(every_s=3600)
+    tally = Tally(every_s=3600, in_flight=in_flight)
     tally.enter()
-    tally.inc(in_flight, 1)
     tally.enter()
-    tally.inc(in_flight, 1)
     tally.flush()  # as a scrape does before it renders
     assert registry.get_sample_value("f") == 2
 
@@ -136,16 +130,14 @@ def test_threads_recording_and_flushing_at_once_lose_nothing() -> None:
     requests = Counter("r_total", "r", registry=registry)
     in_flight = Gauge("f", "f", registry=registry)
     duration = histogram(registry)
-    tally = Tally(every_s=0.001)  # the periodic flush races the threads too
+    tally = Tally(every_s=0.001, in_flight=in_flight)  # the periodic flush races the threads too
     threads, each = 8, 2000
 
     def work() -> None:
         for i in range(each):
             tally.enter()
-            tally.inc(in_flight, 1)
             tally.inc(requests)
             tally.observe(duration, 0.001 * (i % 7))
-            tally.inc(in_flight, -1)
             tally.leave()
 
     workers = [threading.Thread(target=work) for _ in range(threads)]
