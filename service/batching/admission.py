@@ -23,6 +23,12 @@ from dataclasses import dataclass
 # that one slow batch moves it little and a change of load is seen within a
 # second or two.
 DEFAULT_WINDOW = 256
+# Completions the second, quick average spans: about two full batches. The
+# meter reports the slower of the two, so a sudden loss of speed (a burst of
+# thousands of refusals a second taking the cores, a noisy neighbour) shows
+# within a batch or two: at 20x capacity the long average alone kept admitting
+# on the speed before the burst, and those requests were answered late.
+FAST_WINDOW = 32
 # Served requests before the measured rate is trusted: a rate learned from the
 # first few, often run alone or in small batches, would refuse the burst after
 # them that larger batches serve in good time.
@@ -35,6 +41,12 @@ MIN_SERVED = 32
 # keeps accepted requests inside it, while the queue still holds more than a
 # batch of work, so the model never idles for lack of it.
 PREDICTION_MARGIN = 2.0
+# A held request let in because the batcher had room for it needs less: it
+# was let in on a fresh request's terms, and only the requests that reached the
+# queue beside it since count against it (AdmissionRule.decide). With no margin
+# (1.0), under 20x capacity those admitted with the work ahead filling the whole
+# budget were among the late answers.
+RETURNING_MARGIN = 1.5
 
 
 @dataclass(frozen=True)
@@ -49,7 +61,9 @@ class ServiceMeter:
     """The batch thread's measured service time per request, and the requests it holds.
 
     ``busy_s / answered`` over the recent past, each sum decayed by
-    ``1 - 1/window`` per completion. A completion adds the time since the later
+    ``1 - 1/window`` per completion, and the same over ``fast_window``: the
+    slower of the two, so that the meter believes a slowdown at once and a
+    speed-up only as the long average sees it. A completion adds the time since the later
     of its own arrival and the previous completion: while the thread has a
     backlog, the gaps between completions sum to the time it worked; after an
     idle spell, the newcomer's whole stay counts. Idle time never lowers the
@@ -57,14 +71,14 @@ class ServiceMeter:
     expired in the queue) leave the count but add no time.
     """
 
-    def __init__(self, window: int = DEFAULT_WINDOW, min_served: int = MIN_SERVED) -> None:
-        if window < 1:
-            raise ValueError(f"window must be at least 1, got {window}")
+    def __init__(
+        self, window: int = DEFAULT_WINDOW, min_served: int = MIN_SERVED, fast_window: int = FAST_WINDOW
+    ) -> None:
+        if window < 1 or fast_window < 1:
+            raise ValueError(f"window must be at least 1, got {min(window, fast_window)}")
         self._min_served = min_served
-        self._decay = 1 - 1 / window
+        self._averages = [_Average(window), _Average(fast_window)]
         self._served = 0
-        self._busy_s = 0.0
-        self._answered = 0.0
         self._last_done: float | None = None
         self.outstanding = 0
 
@@ -76,17 +90,34 @@ class ServiceMeter:
         if not served:
             return
         since = arrived if self._last_done is None else max(arrived, self._last_done)
-        self._busy_s = self._busy_s * self._decay + max(0.0, now - since)
-        self._answered = self._answered * self._decay + 1
+        for average in self._averages:
+            average.add(max(0.0, now - since))
         self._served += 1
         self._last_done = now if self._last_done is None else max(now, self._last_done)
 
     @property
     def seconds_per_request(self) -> float | None:
         """Mean service time per request; None until ``min_served`` have been served."""
-        if self._served < self._min_served or self._answered == 0:
+        if self._served < self._min_served:
             return None
-        return self._busy_s / self._answered
+        return max(average.mean for average in self._averages)
+
+
+class _Average:
+    """A mean whose samples fade by ``1 - 1/window`` per new one."""
+
+    def __init__(self, window: int) -> None:
+        self._decay = 1 - 1 / window
+        self._sum = 0.0
+        self._weight = 0.0
+
+    def add(self, value: float) -> None:
+        self._sum = self._sum * self._decay + value
+        self._weight = self._weight * self._decay + 1
+
+    @property
+    def mean(self) -> float:
+        return self._sum / self._weight if self._weight else 0.0
 
 
 def predict_wait(ahead: int, seconds_per_request: float | None) -> float:
@@ -147,9 +178,9 @@ class AdmissionRule:
         """Whether a request that waited ``waited_s`` fits with the margin a fresh one needs.
 
         The test for letting a held request in before its hold ends
-        (service.host.hold.let_in); the door then admits it while the work
-        ahead fits the whole budget (``decide`` with ``returning``), whatever
-        the few requests that reach the queue beside it add.
+        (service.host.hold.let_in); the door then admits it with a smaller
+        margin (``decide`` with ``returning``), whatever the few requests that
+        reach the queue beside it add.
         """
         return waited_s + PREDICTION_MARGIN * predicted_s <= self.budget_s
 
@@ -163,8 +194,8 @@ class AdmissionRule:
         ``returning``: the request was let in from a hold because the batcher
         had room for it (service.host.hold.let_in).
 
-        Such a request is admitted while the work ahead fits the whole budget,
-        any other only while it fits with PREDICTION_MARGIN to spare: the
+        Such a request is admitted while the work ahead fits with
+        RETURNING_MARGIN to spare, any other only with PREDICTION_MARGIN: the
         few fresh requests that reach the queue beside one let in do not turn
         it away. Held clients are let in longest held first, so under a long
         overload they take turns; one whose hold simply ended meets the fresh
@@ -177,7 +208,7 @@ class AdmissionRule:
                 f"the {limit * 1000:.0f} ms it may wait there; the service is overloaded, retry shortly",
                 1,
             )
-        margin = 1.0 if returning else PREDICTION_MARGIN
+        margin = RETURNING_MARGIN if returning else PREDICTION_MARGIN
         if waited_s + margin * predicted_s > self.budget_s:
             return Refusal(
                 f"the work queued ahead would take about {predicted_s * 1000:.0f} ms, past the "

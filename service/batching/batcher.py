@@ -31,7 +31,9 @@
 #   call goes through notify(), which logs an exception and carries on, so a
 #   broken hook can neither leave the depth miscounted nor lose a request.
 # - Latency budget: submit() also refuses (503, over_budget) a request that the
-#   work held would take past its budget (service.batching.admission). The
+#   work held would take past its budget (service.batching.admission), and
+#   before each model call the batch thread refuses the same way each request
+#   the calls ahead of its answer would take past its budget (_shed_late). The
 #   service meter changes under _lock: in submit(), and in each future's done
 #   callback, run by whichever thread completes it (batch thread, watchdog, or
 #   a caller cancelling), none of which holds _lock then.
@@ -75,6 +77,8 @@ class Pending:
     # Filled in by the batch thread before the future completes.
     started_at: float | None = None
     batch_size: int = 0
+    # When the request reached the service, for the latency budget (None: when it was queued).
+    arrived: float | None = None
 
 
 @dataclass(frozen=True)
@@ -194,6 +198,7 @@ class Batcher:
         self._in_flight = 0
         self._cycle_peak = 1
         self._model_time_s = 0.0
+        self._item_time_s = 0.0  # smoothed model seconds per item, for the budget at dispatch
         self._exited = native.allocate_lock()
         self._batch: list[Pending] = []  # the batch being run, for abandon()
         self.running = False
@@ -246,7 +251,7 @@ class Batcher:
         """
         # Sized here, in the request thread, so the batch thread only sorts.
         sizes = None if self._sizer is None else [self._sizer(item) for item in items]
-        pending = Pending(items, deadline, sizes)
+        pending = Pending(items, deadline, sizes, arrived=arrived)
         with self._lock:
             if not self._accepting:
                 raise NotReady("the worker is shutting down; retry on another worker", reason="shutting_down")
@@ -448,7 +453,49 @@ class Batcher:
                 # A no-op unless delivery itself broke; no caller may hang on it.
                 _fail(pending.future, ModelError("the batch ended without a result for this request"))
 
+    def _shed_late(self, ahead: list[tuple[Pending, float]]) -> set[int]:
+        """Refuse (503) each request that would be answered past its latency budget; their indices.
+
+        ``ahead``: each request not yet answered, with the model time it still
+        needs before its answer (its own sub-batch and those before it). The
+        door and submit() admit on a prediction; when the CPU is suddenly
+        taken (a burst of refusals, a noisy neighbour) batches run slower than
+        predicted, and without this their last requests would be answered
+        late. Checked before each model call, with the time already spent,
+        so a slow call sheds what comes after it; a request refused here
+        costs its client the wait, not a late answer, and its model time goes
+        to the requests that can still be answered in time.
+        """
+        if self._admission is None:
+            return set()
+        budget = self._admission.budget_s
+        now = time.monotonic()
+        shed = set()
+        for index, (pending, needs_s) in enumerate(ahead):
+            waited = now - (pending.enqueued_at if pending.arrived is None else pending.arrived)
+            if waited + needs_s <= budget:
+                continue
+            shed.add(index)
+            pending.started_at = None  # not served: the service meter learns no time from it
+            _fail(
+                pending.future,
+                Overloaded(
+                    f"the request waited {waited * 1000:.0f} ms and would need about {needs_s * 1000:.0f} ms "
+                    f"more of the model, past the {budget * 1000:.0f} ms latency budget; the service is "
+                    "overloaded, retry shortly",
+                    1,
+                    reason="over_budget",
+                ),
+            )
+        return shed
+
     def _predict_and_deliver(self, live: list[Pending]) -> None:
+        if self._item_time_s > 0:
+            needs_s = self._item_time_s * sum(len(pending.items) for pending in live)
+            shed = self._shed_late([(pending, needs_s) for pending in live])
+            live = [pending for index, pending in enumerate(live) if index not in shed]
+            if not live:
+                return
         items = [item for pending in live for item in pending.items]
         started = time.monotonic()
         outputs = self._call(items)
@@ -500,9 +547,19 @@ class Batcher:
         # sub-batch does, and its thread reads batch_size for X-Batch-Size then.
         for pending in live:
             pending.batch_size = len(batch.order)
+        # Each sub-batch's estimated model time, and the last sub-batch each request waits for.
+        call_s = [] if estimate is None else [estimate.of(end - s, sizes[end - 1]) for s, end in ranges]
+        last = [0] * len(live)
+        for k, (start, end) in enumerate(ranges):
+            for _, r, _ in batch.order[start:end]:
+                last[r] = k
         started = time.monotonic()
         padded = 0
-        for start, end in ranges:
+        for k, (start, end) in enumerate(ranges):
+            if call_s:
+                waiting = [r for r in range(len(live)) if r not in batch.failed and batch.left[r] > 0]
+                shed = self._shed_late([(live[r], sum(call_s[k : last[r] + 1])) for r in waiting])
+                batch.failed.update(waiting[index] for index in shed)
             entries = [e for e in batch.order[start:end] if e[1] not in batch.failed]
             if entries:
                 padded += self._run_entries(batch, entries)
@@ -514,6 +571,8 @@ class Batcher:
         elapsed = time.monotonic() - started
         # Smoothed so one slow batch does not stretch the next gathering window much.
         self._model_time_s = elapsed if self._model_time_s == 0 else 0.8 * self._model_time_s + 0.2 * elapsed
+        per_item = elapsed / max(1, items)
+        self._item_time_s = per_item if self._item_time_s == 0 else 0.8 * self._item_time_s + 0.2 * per_item
         notify(self._observer.on_batch, items, len(live), [started - p.enqueued_at for p in live], elapsed)
 
     def _run_entries(self, batch: _Assembly, entries: list[tuple[int, int, int]]) -> int:

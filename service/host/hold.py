@@ -32,9 +32,10 @@ can still be answered in time counted from when it was sent, and a hold is at
 most half the budget. Such a returning request is exempt from the door's
 standing-queue test (it waited by the worker's choice, not in a queue;
 otherwise clients that had all been refused once would be refused for good).
-One let in early is admitted while the work ahead fits what is left of its
-budget, so the few fresh requests that reach the queue beside it do not turn
-it away; one whose hold simply ended needs a fresh request's margin. A client
+One let in early is admitted with a smaller margin than a fresh request
+(admission.RETURNING_MARGIN), so the few fresh requests that reach the queue
+beside it do not turn it away; one whose hold simply ended needs a fresh
+request's margin. A client
 that hangs up during the hold is let go at once (gthread watches the held
 socket; gevent's greenlet waits on it), so it does not keep its place among
 the worker's connections.

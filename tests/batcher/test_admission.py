@@ -1,15 +1,24 @@
-"""The batcher's latency-budget check at submit(): deterministic, waits on events, never on sleeps."""
+"""The batcher's latency-budget checks, at submit() and before each model call.
+
+Deterministic: they wait on events, never on sleeps, except one model that
+takes real time on purpose, because the check before each call must see the
+time the calls before it took.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
+import numpy as np
 import pytest
 
 from service.batching.admission import AdmissionRule, ServiceMeter
+from service.batching.batcher import Batcher, GatherPolicy, Pending
 from service.batching.waiting import wait_result
 from service.errors import Overloaded
 from tests.batcher.test_batcher import FAR, GatedPredict, started
+from tests.batcher.test_sized_batches import cost
 
 
 @pytest.fixture
@@ -77,3 +86,82 @@ def test_a_cancelled_request_leaves_the_count(gated: GatedPredict) -> None:
     finally:
         gated.gate.set()
         batcher.stop(10)
+
+
+def test_a_request_its_batch_would_answer_past_the_budget_is_refused_before_the_model_runs(
+    gated: GatedPredict,
+) -> None:
+    batcher = started(gated, admission=AdmissionRule(budget_s=1.0))
+    try:
+        first = batcher.submit(["a"], FAR)
+        gated.wait_entered()
+        # The model's measured time per item (the first batch, held at the gate, adds next to nothing).
+        batcher._item_time_s = 0.1
+        # Both pass submit() (too few served yet for a prediction) and wait behind the first batch.
+        late = batcher.submit(["b"] * 3, FAR, arrived=time.monotonic() - 0.8)
+        fresh = batcher.submit(["c"] * 3, FAR, arrived=time.monotonic())
+        gated.gate.set()
+        wait_result(first.future, 10)
+        # Their batch of 6 items takes about 0.5 s: the one that already waited 0.8 s would end past 1 s.
+        with pytest.raises(Overloaded, match="past the 1000 ms latency budget") as refused:
+            wait_result(late.future, 10)
+        assert refused.value.reason == "over_budget"
+        assert wait_result(fresh.future, 10) == ["out:c"] * 3
+        assert gated.batches == [["a"], ["c"] * 3]  # the refused request never reached the model
+        assert batcher.load()[0] == 0  # and it left the meter's count
+    finally:
+        gated.gate.set()
+        batcher.stop(10)
+
+
+class FirstCallSlow:
+    """A sized model (an item's size is its value) whose first call takes ``first_s``."""
+
+    def __init__(self, first_s: float) -> None:
+        self.first_s = first_s
+        self.calls: list[list[int]] = []
+
+    def __call__(self, batch: list[int]) -> np.ndarray:
+        if not self.calls:
+            time.sleep(self.first_s)  # the model's own time, which the check must see
+        self.calls.append(list(batch))
+        return np.array([[float(item)] for item in batch])
+
+
+def sized_batch(predict: FirstCallSlow) -> tuple[Pending, Pending]:
+    """A short request and a long one that already waited 0.3 s, run as two sub-batches of one batch."""
+    batcher = Batcher(
+        predict,
+        max_batch_size=64,
+        queue_limit=100,
+        policy=GatherPolicy(adaptive=False),
+        sizer=abs,
+        cost=cost(0.001, 1e-4),  # the long item's call: about 0.3 s
+        admission=AdmissionRule(budget_s=1.0),
+    )
+    short = batcher.submit([2], FAR, arrived=time.monotonic())
+    long = batcher.submit([3000], FAR, arrived=time.monotonic() - 0.3)
+    batcher.start()
+    try:
+        wait_result(short.future, 10)
+        with contextlib.suppress(Overloaded):
+            wait_result(long.future, 10)
+    finally:
+        batcher.stop(10)
+    return short, long
+
+
+def test_a_slow_call_sheds_the_requests_the_calls_after_it_would_answer_late() -> None:
+    # As estimated, the long request is answered in time: 0.3 s waited, 0.3 s of calls ahead of it.
+    quick = FirstCallSlow(first_s=0.0)
+    _, long = sized_batch(quick)
+    assert long.future.result(0) == [[3000.0]]
+    assert quick.calls == [[2], [3000]]
+    # The first call takes 0.7 s instead of 1 ms: the long one's call would now end past the budget.
+    slow = FirstCallSlow(first_s=0.7)
+    short, long = sized_batch(slow)
+    assert short.future.result(0) == [[2.0]]
+    with pytest.raises(Overloaded, match="latency budget") as refused:
+        long.future.result(0)
+    assert refused.value.reason == "over_budget"
+    assert slow.calls == [[2]]  # its call never ran
