@@ -23,12 +23,15 @@ from dataclasses import dataclass
 # that one slow batch moves it little and a change of load is seen within a
 # second or two.
 DEFAULT_WINDOW = 256
-# Completions the second, quick average spans: about two full batches. The
-# meter reports the slower of the two, so a sudden loss of speed (a burst of
-# thousands of refusals a second taking the cores, a noisy neighbour) shows
-# within a batch or two: at 20x capacity the long average alone kept admitting
-# on the speed before the burst, and those requests were answered late.
-FAST_WINDOW = 32
+# Batches the quick view of the speed spans: the model time per request served
+# of about the last two batches. The meter reports the slower of it and the
+# long average, so a sudden loss of speed (a burst of thousands of refusals a
+# second taking the cores, a noisy neighbour) is believed within a batch or
+# two: at 20x capacity the long average alone kept admitting on the speed
+# before the burst, and those requests were answered late. Counted per batch,
+# not per completion: a batch's requests complete together, and the first
+# carries the whole batch's time.
+RECENT_BATCHES = 2
 # Served requests before the measured rate is trusted: a rate learned from the
 # first few, often run alone or in small batches, would refuse the burst after
 # them that larger batches serve in good time.
@@ -61,9 +64,11 @@ class ServiceMeter:
     """The batch thread's measured service time per request, and the requests it holds.
 
     ``busy_s / answered`` over the recent past, each sum decayed by
-    ``1 - 1/window`` per completion, and the same over ``fast_window``: the
-    slower of the two, so that the meter believes a slowdown at once and a
-    speed-up only as the long average sees it. A completion adds the time since the later
+    ``1 - 1/window`` per completion; or, when slower, the model time per
+    request of the last RECENT_BATCHES batches (``batch_ran``), so that the
+    meter believes a slowdown within a batch or two and a speed-up only as
+    the long average sees it. The model time leaves out gathering, so in a
+    steady state the long average is the slower. A completion adds the time since the later
     of its own arrival and the previous completion: while the thread has a
     backlog, the gaps between completions sum to the time it worked; after an
     idle spell, the newcomer's whole stay counts. Idle time never lowers the
@@ -71,13 +76,12 @@ class ServiceMeter:
     expired in the queue) leave the count but add no time.
     """
 
-    def __init__(
-        self, window: int = DEFAULT_WINDOW, min_served: int = MIN_SERVED, fast_window: int = FAST_WINDOW
-    ) -> None:
-        if window < 1 or fast_window < 1:
-            raise ValueError(f"window must be at least 1, got {min(window, fast_window)}")
+    def __init__(self, window: int = DEFAULT_WINDOW, min_served: int = MIN_SERVED) -> None:
+        if window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
         self._min_served = min_served
-        self._averages = [_Average(window), _Average(fast_window)]
+        self._long = _Average(window)
+        self._recent = _Average(RECENT_BATCHES)
         self._served = 0
         self._last_done: float | None = None
         self.outstanding = 0
@@ -90,8 +94,7 @@ class ServiceMeter:
         if not served:
             return
         since = arrived if self._last_done is None else max(arrived, self._last_done)
-        for average in self._averages:
-            average.add(max(0.0, now - since))
+        self._long.add(max(0.0, now - since))
         self._served += 1
         self._last_done = now if self._last_done is None else max(now, self._last_done)
 
@@ -100,20 +103,25 @@ class ServiceMeter:
         """Mean service time per request; None until ``min_served`` have been served."""
         if self._served < self._min_served:
             return None
-        return max(average.mean for average in self._averages)
+        return max(self._long.mean, self._recent.mean)
+
+    def batch_ran(self, seconds: float, served: int) -> None:
+        """A batch's model time and the requests it served: the quick view of the speed."""
+        if served > 0:
+            self._recent.add(seconds, served)
 
 
 class _Average:
-    """A mean whose samples fade by ``1 - 1/window`` per new one."""
+    """A weighted mean whose samples fade by ``1 - 1/window`` per new one."""
 
     def __init__(self, window: int) -> None:
         self._decay = 1 - 1 / window
         self._sum = 0.0
         self._weight = 0.0
 
-    def add(self, value: float) -> None:
-        self._sum = self._sum * self._decay + value
-        self._weight = self._weight * self._decay + 1
+    def add(self, total: float, weight: float = 1.0) -> None:
+        self._sum = self._sum * self._decay + total
+        self._weight = self._weight * self._decay + weight
 
     @property
     def mean(self) -> float:

@@ -33,7 +33,9 @@
 # - Latency budget: submit() also refuses (503, over_budget) a request that the
 #   work held would take past its budget (service.batching.admission), and
 #   before each model call the batch thread refuses the same way each request
-#   the calls ahead of its answer would take past its budget (_shed_late). The
+#   the calls ahead of its answer would take past its budget (_shed_late), by
+#   the cost model's estimate (none before it has one; not before the
+#   item-by-item re-run of a failed sub-batch). The
 #   service meter changes under _lock: in submit(), and in each future's done
 #   callback, run by whichever thread completes it (batch thread, watchdog, or
 #   a caller cancelling), none of which holds _lock then.
@@ -53,7 +55,7 @@ import numpy as np
 from service.batching import native
 from service.batching.admission import AdmissionRule, ServiceMeter, predict_wait
 from service.batching.reply import Reply
-from service.batching.subbatch import CostModel, cut
+from service.batching.subbatch import Cost, CostModel, cut
 from service.errors import DeadlineExceeded, ModelError, NotReady, Overloaded, ServeError
 from service.models.base import Outputs
 from service.outputs import check_count, check_finite, client_error
@@ -74,7 +76,8 @@ class Pending:
     enqueued_at: float = field(default_factory=time.monotonic)
     # Created before it is queued; its locks are native, so the batch thread may complete it under gevent.
     future: Reply = field(default_factory=Reply)
-    # Filled in by the batch thread before the future completes.
+    # When its batch began, set by the batch thread before the future completes;
+    # cleared again for a request refused before its model call (_shed_late).
     started_at: float | None = None
     batch_size: int = 0
     # When the request reached the service, for the latency budget (None: when it was queued).
@@ -198,7 +201,6 @@ class Batcher:
         self._in_flight = 0
         self._cycle_peak = 1
         self._model_time_s = 0.0
-        self._item_time_s = 0.0  # smoothed model seconds per item, for the budget at dispatch
         self._exited = native.allocate_lock()
         self._batch: list[Pending] = []  # the batch being run, for abandon()
         self.running = False
@@ -282,7 +284,7 @@ class Batcher:
 
     def _answered(self, pending: Pending) -> None:
         with self._lock:
-            # started_at is set only for requests the batch thread ran.
+            # started_at is set only for requests the batch thread served (not those it refused).
             self._meter.completed(time.monotonic(), pending.enqueued_at, pending.started_at is not None)
 
     def start(self) -> None:
@@ -453,36 +455,42 @@ class Batcher:
                 # A no-op unless delivery itself broke; no caller may hang on it.
                 _fail(pending.future, ModelError("the batch ended without a result for this request"))
 
-    def _shed_late(self, ahead: list[tuple[Pending, float]]) -> set[int]:
-        """Refuse (503) each request that would be answered past its latency budget; their indices.
+    def _shed_late(self, waiting: list[Pending], needs: Callable[[list[int]], list[float]]) -> set[int]:
+        """Refuse (503) the requests that would be answered past their latency budget; their indices.
 
-        ``ahead``: each request not yet answered, with the model time it still
-        needs before its answer (its own sub-batch and those before it). The
-        door and submit() admit on a prediction; when the CPU is suddenly
-        taken (a burst of refusals, a noisy neighbour) batches run slower than
-        predicted, and without this their last requests would be answered
-        late. Checked before each model call, with the time already spent,
-        so a slow call sheds what comes after it; a request refused here
-        costs its client the wait, not a late answer, and its model time goes
-        to the requests that can still be answered in time.
+        ``needs(kept)``: for the requests of ``waiting`` at the indices
+        ``kept``, each one's model time still ahead of its answer (its own call
+        and those before it) if only those ran. The door and submit() admit on
+        a prediction; when the CPU is suddenly taken (a burst of refusals, a
+        noisy neighbour) batches run slower than predicted, and without this
+        their last requests would be answered late. Checked before each model
+        call, with the time already spent, so a slow call sheds what comes
+        after it. The latest is refused first and the rest judged again
+        without it: a request refused here costs its client the wait, not a
+        late answer, and its model time goes to the others.
         """
-        if self._admission is None:
+        if self._admission is None or not waiting:
             return set()
         budget = self._admission.budget_s
         now = time.monotonic()
-        shed = set()
-        for index, (pending, needs_s) in enumerate(ahead):
-            waited = now - (pending.enqueued_at if pending.arrived is None else pending.arrived)
-            if waited + needs_s <= budget:
-                continue
+        waited = [now - (p.enqueued_at if p.arrived is None else p.arrived) for p in waiting]
+        kept = list(range(len(waiting)))
+        shed: set[int] = set()
+        while kept:
+            ends = [waited[i] + need for i, need in zip(kept, needs(kept), strict=True)]
+            latest = max(range(len(kept)), key=ends.__getitem__)
+            if ends[latest] <= budget:
+                break
+            index = kept.pop(latest)
             shed.add(index)
+            pending = waiting[index]
             pending.started_at = None  # not served: the service meter learns no time from it
             _fail(
                 pending.future,
                 Overloaded(
-                    f"the request waited {waited * 1000:.0f} ms and would need about {needs_s * 1000:.0f} ms "
-                    f"more of the model, past the {budget * 1000:.0f} ms latency budget; the service is "
-                    "overloaded, retry shortly",
+                    f"the request waited {waited[index] * 1000:.0f} ms and would need about "
+                    f"{(ends[latest] - waited[index]) * 1000:.0f} ms more of the model, past the "
+                    f"{budget * 1000:.0f} ms latency budget; the service is overloaded, retry shortly",
                     1,
                     reason="over_budget",
                 ),
@@ -490,15 +498,23 @@ class Batcher:
         return shed
 
     def _predict_and_deliver(self, live: list[Pending]) -> None:
-        if self._item_time_s > 0:
-            needs_s = self._item_time_s * sum(len(pending.items) for pending in live)
-            shed = self._shed_late([(pending, needs_s) for pending in live])
+        # With no item sizes, an item is the cost model's unit: one call costs
+        # its overhead plus a share per item.
+        estimate = self.cost.estimate()
+        if estimate is not None:
+
+            def needs(kept: list[int]) -> list[float]:
+                return [estimate.of(sum(len(live[i].items) for i in kept), 1)] * len(kept)
+
+            shed = self._shed_late(live, needs)
             live = [pending for index, pending in enumerate(live) if index not in shed]
             if not live:
                 return
         items = [item for pending in live for item in pending.items]
         started = time.monotonic()
         outputs = self._call(items)
+        if not isinstance(outputs, ServeError):
+            self.cost.observe(len(items), time.monotonic() - started)
         if isinstance(outputs, ServeError):
             if len(live) == 1 or isinstance(outputs, Overloaded):
                 for pending in live:
@@ -547,32 +563,32 @@ class Batcher:
         # sub-batch does, and its thread reads batch_size for X-Batch-Size then.
         for pending in live:
             pending.batch_size = len(batch.order)
-        # Each sub-batch's estimated model time, and the last sub-batch each request waits for.
-        call_s = [] if estimate is None else [estimate.of(end - s, sizes[end - 1]) for s, end in ranges]
-        last = [0] * len(live)
-        for k, (start, end) in enumerate(ranges):
-            for _, r, _ in batch.order[start:end]:
-                last[r] = k
+        batch.plan(ranges)
         started = time.monotonic()
-        padded = 0
+        padded = real = calls = 0
+        shed: set[int] = set()
         for k, (start, end) in enumerate(ranges):
-            if call_s:
+            if estimate is not None:
                 waiting = [r for r in range(len(live)) if r not in batch.failed and batch.left[r] > 0]
-                shed = self._shed_late([(live[r], sum(call_s[k : last[r] + 1])) for r in waiting])
-                batch.failed.update(waiting[index] for index in shed)
+                dropped = self._shed_late([live[r] for r in waiting], batch.needs(k, waiting, estimate))
+                shed.update(waiting[i] for i in dropped)
+                batch.failed.update(waiting[i] for i in dropped)
             entries = [e for e in batch.order[start:end] if e[1] not in batch.failed]
             if entries:
                 padded += self._run_entries(batch, entries)
-        self._batch_ran(live, len(batch.order), started)
-        notify(self._observer.on_sub_batches, sum(sizes), padded, len(ranges))
+                real += sum(size for size, _, _ in entries)
+                calls += 1
+        served = [pending for r, pending in enumerate(live) if r not in shed]
+        self._batch_ran(served, sum(len(pending.items) for pending in served), started)
+        notify(self._observer.on_sub_batches, real, padded, calls)
 
     def _batch_ran(self, live: list[Pending], items: int, started: float) -> None:
         """Record a batch that ran from ``started``: the model time gathering expects, and the metrics."""
         elapsed = time.monotonic() - started
         # Smoothed so one slow batch does not stretch the next gathering window much.
         self._model_time_s = elapsed if self._model_time_s == 0 else 0.8 * self._model_time_s + 0.2 * elapsed
-        per_item = elapsed / max(1, items)
-        self._item_time_s = per_item if self._item_time_s == 0 else 0.8 * self._item_time_s + 0.2 * per_item
+        with self._lock:
+            self._meter.batch_ran(elapsed, len(live))
         notify(self._observer.on_batch, items, len(live), [started - p.enqueued_at for p in live], elapsed)
 
     def _run_entries(self, batch: _Assembly, entries: list[tuple[int, int, int]]) -> int:
@@ -616,6 +632,35 @@ class _Assembly:
         self.left = [len(pending.items) for pending in live]
         self.array = [True] * len(live)  # every row came from an array: answer with one
         self.failed: set[int] = set()
+        self.ranges: list[tuple[int, int]] = []
+        self.last: list[int] = []  # each request's last sub-batch
+
+    def plan(self, ranges: list[tuple[int, int]]) -> None:
+        """The sub-batches ``order`` runs as, and the last one each request waits for."""
+        self.ranges = ranges
+        self.last = [0] * len(self.live)
+        for k, (start, end) in enumerate(ranges):
+            for _, r, _ in self.order[start:end]:
+                self.last[r] = k
+
+    def needs(self, k: int, waiting: list[int], estimate: Cost) -> Callable[[list[int]], list[float]]:
+        """``needs`` for _shed_late before sub-batch ``k``: each waiting request's model time to its end.
+
+        ``waiting``: request indices. Only the rows of the requests kept count,
+        so a call shrinks (or is skipped) as requests are refused.
+        """
+
+        def needs(kept: list[int]) -> list[float]:
+            alive = {waiting[i] for i in kept}
+            ahead, until = 0.0, []
+            for start, end in self.ranges[k:]:
+                rows = [size for size, r, _ in self.order[start:end] if r in alive]
+                if rows:
+                    ahead += estimate.of(len(rows), max(rows))
+                until.append(ahead)
+            return [until[self.last[waiting[i]] - k] for i in kept]
+
+        return needs
 
     def items(self, entries: list[tuple[int, int, int]]) -> list[Any]:
         return [self.live[r].items[i] for _, r, i in entries]

@@ -18,7 +18,7 @@ from service.batching.batcher import Batcher, GatherPolicy, Pending
 from service.batching.waiting import wait_result
 from service.errors import Overloaded
 from tests.batcher.test_batcher import FAR, GatedPredict, started
-from tests.batcher.test_sized_batches import cost
+from tests.batcher.test_sized_batches import Recorder, cost
 
 
 @pytest.fixture
@@ -88,27 +88,34 @@ def test_a_cancelled_request_leaves_the_count(gated: GatedPredict) -> None:
         batcher.stop(10)
 
 
-def test_a_request_its_batch_would_answer_past_the_budget_is_refused_before_the_model_runs(
+def test_the_requests_their_batch_would_answer_past_the_budget_are_refused_latest_first(
     gated: GatedPredict,
 ) -> None:
-    batcher = started(gated, admission=AdmissionRule(budget_s=1.0))
+    # 0.1 s a item, no overhead per call (a model that reports no item sizes: an item is the unit).
+    batcher = started(gated, admission=AdmissionRule(budget_s=2.0), cost=cost(0.0, 0.1))
     try:
         first = batcher.submit(["a"], FAR)
         gated.wait_entered()
-        # The model's measured time per item (the first batch, held at the gate, adds next to nothing).
-        batcher._item_time_s = 0.1
-        # Both pass submit() (too few served yet for a prediction) and wait behind the first batch.
-        late = batcher.submit(["b"] * 3, FAR, arrived=time.monotonic() - 0.8)
-        fresh = batcher.submit(["c"] * 3, FAR, arrived=time.monotonic())
+        # All three pass submit() (too few served yet for a prediction) and wait behind the first batch.
+        now = time.monotonic()
+        late = batcher.submit(["b"] * 3, FAR, arrived=now - 1.5)
+        middle = batcher.submit(["c"] * 3, FAR, arrived=now - 1.25)
+        fresh = batcher.submit(["d"] * 3, FAR, arrived=now)
         gated.gate.set()
         wait_result(first.future, 10)
-        # Their batch of 6 items takes about 0.5 s: the one that already waited 0.8 s would end past 1 s.
-        with pytest.raises(Overloaded, match="past the 1000 ms latency budget") as refused:
+        # Their 9 items would take 0.9 s: the first two would end past 2 s. Without the
+        # latest, 6 items take 0.6 s, and the middle one ends at about 1.85 s: in time.
+        with pytest.raises(Overloaded, match="past the 2000 ms latency budget") as refused:
             wait_result(late.future, 10)
         assert refused.value.reason == "over_budget"
-        assert wait_result(fresh.future, 10) == ["out:c"] * 3
-        assert gated.batches == [["a"], ["c"] * 3]  # the refused request never reached the model
-        assert batcher.load()[0] == 0  # and it left the meter's count
+        assert wait_result(middle.future, 10) == ["out:c"] * 3
+        assert wait_result(fresh.future, 10) == ["out:d"] * 3
+        assert gated.batches == [["a"], ["c"] * 3 + ["d"] * 3]  # the refused request never reached the model
+        # It left the meter's count too (the count drops in the reply's callbacks, just after the wake).
+        deadline = time.monotonic() + 10
+        while batcher.load()[0] != 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert batcher.load()[0] == 0
     finally:
         gated.gate.set()
         batcher.stop(10)
@@ -128,13 +135,14 @@ class FirstCallSlow:
         return np.array([[float(item)] for item in batch])
 
 
-def sized_batch(predict: FirstCallSlow) -> tuple[Pending, Pending]:
+def sized_batch(predict: FirstCallSlow, recorder: Recorder) -> tuple[Pending, Pending]:
     """A short request and a long one that already waited 0.3 s, run as two sub-batches of one batch."""
     batcher = Batcher(
         predict,
         max_batch_size=64,
         queue_limit=100,
         policy=GatherPolicy(adaptive=False),
+        observer=recorder,
         sizer=abs,
         cost=cost(0.001, 1e-4),  # the long item's call: about 0.3 s
         admission=AdmissionRule(budget_s=1.0),
@@ -146,6 +154,7 @@ def sized_batch(predict: FirstCallSlow) -> tuple[Pending, Pending]:
         wait_result(short.future, 10)
         with contextlib.suppress(Overloaded):
             wait_result(long.future, 10)
+        assert recorder.done.wait(10), "the batch never ended"
     finally:
         batcher.stop(10)
     return short, long
@@ -153,15 +162,19 @@ def sized_batch(predict: FirstCallSlow) -> tuple[Pending, Pending]:
 
 def test_a_slow_call_sheds_the_requests_the_calls_after_it_would_answer_late() -> None:
     # As estimated, the long request is answered in time: 0.3 s waited, 0.3 s of calls ahead of it.
-    quick = FirstCallSlow(first_s=0.0)
-    _, long = sized_batch(quick)
+    quick, recorder = FirstCallSlow(first_s=0.0), Recorder()
+    _, long = sized_batch(quick, recorder)
     assert long.future.result(0) == [[3000.0]]
     assert quick.calls == [[2], [3000]]
+    assert recorder.batches == [(2, 2)]
     # The first call takes 0.7 s instead of 1 ms: the long one's call would now end past the budget.
-    slow = FirstCallSlow(first_s=0.7)
-    short, long = sized_batch(slow)
+    slow, recorder = FirstCallSlow(first_s=0.7), Recorder()
+    short, long = sized_batch(slow, recorder)
     assert short.future.result(0) == [[2.0]]
     with pytest.raises(Overloaded, match="latency budget") as refused:
         long.future.result(0)
     assert refused.value.reason == "over_budget"
     assert slow.calls == [[2]]  # its call never ran
+    # The metrics count what ran: one request, one item, one call.
+    assert recorder.batches == [(1, 1)]
+    assert recorder.sub_batches == [(2, 2, 1)]
