@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from service.batching.admission import AdmissionRule, ServiceMeter
-from service.batching.batcher import Batcher, GatherPolicy, Pending
+from service.batching.batcher import Pending
 from service.batching.waiting import wait_result
 from service.errors import Overloaded
 from tests.batcher.test_batcher import FAR, GatedPredict, started
-from tests.batcher.test_sized_batches import Recorder, cost
+from tests.batcher.test_sized_batches import Recorder, cost, sized_batcher
 
 
 @pytest.fixture
@@ -137,13 +137,9 @@ class FirstCallSlow:
 
 def sized_batch(predict: FirstCallSlow, recorder: Recorder) -> tuple[Pending, Pending]:
     """A short request and a long one that already waited 0.3 s, run as two sub-batches of one batch."""
-    batcher = Batcher(
+    batcher = sized_batcher(
         predict,
-        max_batch_size=64,
-        queue_limit=100,
-        policy=GatherPolicy(adaptive=False),
-        observer=recorder,
-        sizer=abs,
+        recorder,
         cost=cost(0.001, 1e-4),  # the long item's call: about 0.3 s
         admission=AdmissionRule(budget_s=1.0),
     )

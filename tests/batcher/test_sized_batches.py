@@ -51,21 +51,25 @@ def cost(overhead_s: float, per_token_s: float) -> CostModel:
     return model
 
 
-def one_batch(
-    requests: list[list[int]], *, max_tokens: int = 1 << 20, model: CostModel | None = None
-) -> tuple[SizedPredict, Recorder, list[Pending], Batcher]:
-    """Queue every request before the thread starts, so that they gather into one batch."""
-    predict, recorder = SizedPredict(), Recorder()
-    batcher = Batcher(
+def sized_batcher(predict: Any, recorder: Recorder, **options: Any) -> Batcher:
+    """A batcher, not started, for a model whose items are sized by their value, that gathers nothing."""
+    return Batcher(
         predict,
         max_batch_size=64,
         queue_limit=100,
         policy=GatherPolicy(adaptive=False),
         observer=recorder,
         sizer=abs,
-        max_tokens=max_tokens,
-        cost=model or cost(0.001, 1e-4),
+        **options,
     )
+
+
+def one_batch(
+    requests: list[list[int]], *, max_tokens: int = 1 << 20, model: CostModel | None = None
+) -> tuple[SizedPredict, Recorder, list[Pending], Batcher]:
+    """Queue every request before the thread starts, so that they gather into one batch."""
+    predict, recorder = SizedPredict(), Recorder()
+    batcher = sized_batcher(predict, recorder, max_tokens=max_tokens, cost=model or cost(0.001, 1e-4))
     pendings = [batcher.submit(items, FAR) for items in requests]
     batcher.start()
     assert recorder.done.wait(10), "the batch never ran"
