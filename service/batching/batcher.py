@@ -500,11 +500,11 @@ class Batcher:
     def _predict_and_deliver(self, live: list[Pending]) -> None:
         # With no item sizes, an item is the cost model's unit: one call costs
         # its overhead plus a share per item.
-        estimate = self.cost.estimate()
-        if estimate is not None:
+        floor = self.cost.floor()
+        if floor is not None:
 
             def needs(kept: list[int]) -> list[float]:
-                return [estimate.of(sum(len(live[i].items) for i in kept), 1)] * len(kept)
+                return [floor.of(sum(len(live[i].items) for i in kept), 1)] * len(kept)
 
             shed = self._shed_late(live, needs)
             live = [pending for index, pending in enumerate(live) if index not in shed]
@@ -567,10 +567,11 @@ class Batcher:
         started = time.monotonic()
         padded = real = calls = 0
         shed: set[int] = set()
+        floor = self.cost.floor()
         for k, (start, end) in enumerate(ranges):
-            if estimate is not None:
+            if floor is not None:
                 waiting = [r for r in range(len(live)) if r not in batch.failed and batch.left[r] > 0]
-                dropped = self._shed_late([live[r] for r in waiting], batch.needs(k, waiting, estimate))
+                dropped = self._shed_late([live[r] for r in waiting], batch.needs(k, waiting, floor))
                 shed.update(waiting[i] for i in dropped)
                 batch.failed.update(waiting[i] for i in dropped)
             entries = [e for e in batch.order[start:end] if e[1] not in batch.failed]

@@ -74,20 +74,43 @@ class CostModel:
         """The fitted cost, or None before any observation."""
         if self._w == 0:
             return None
-        mean_x, mean_y = self._x / self._w, self._y / self._w
-        var_x = self._xx / self._w - mean_x * mean_x
-        if var_x > 1e-9 * max(1.0, mean_x * mean_x):
-            slope = (self._xy / self._w - mean_x * mean_y) / var_x
-            intercept = mean_y - slope * mean_x
-            if slope > 0 and intercept >= 0:
-                return Cost(intercept, slope)
-            if slope > 0:
-                # Timing noise can tip the intercept below zero: keep the slope
-                # through the mean, with no overhead.
-                return Cost(0.0, mean_y / mean_x)
+        line = self._line()
+        if line is not None:
+            return line
         # Every call the same size so far (or a line that falls): the time per
         # token of what was seen, no overhead. Cuts then only avoid padding.
+        mean_x, mean_y = self._x / self._w, self._y / self._w
         return Cost(0.0, mean_y / mean_x if mean_x > 0 else 0.0)
+
+    def floor(self) -> Cost | None:
+        """The least a call may cost given what was seen, for a decision to refuse; None before any.
+
+        While every call so far had one size, estimate() guesses that time grows
+        in proportion to size: harmless for cuts, which it only steers away from
+        padding, but a refusal made on that guess would turn away a batch that
+        runs in about the time of one item (the reason to batch at all). Until
+        calls of different sizes show how time grows, a call is taken to cost
+        what the calls seen cost, whatever its size.
+        """
+        if self._w == 0:
+            return None
+        return self._line() or Cost(self._y / self._w, 0.0)
+
+    def _line(self) -> Cost | None:
+        """The line through calls of different sizes, if they show time growing with size."""
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var_x = self._xx / self._w - mean_x * mean_x
+        if var_x <= 1e-9 * max(1.0, mean_x * mean_x):
+            return None
+        slope = (self._xy / self._w - mean_x * mean_y) / var_x
+        if slope <= 0:
+            return None
+        intercept = mean_y - slope * mean_x
+        if intercept < 0:
+            # Timing noise can tip the intercept below zero: keep the slope
+            # through the mean, with no overhead.
+            return Cost(0.0, mean_y / mean_x)
+        return Cost(intercept, slope)
 
 
 def cut(sizes: Sequence[int], cost: Cost, *, max_tokens: int, max_rows: int) -> list[tuple[int, int]]:

@@ -174,3 +174,35 @@ def test_a_slow_call_sheds_the_requests_the_calls_after_it_would_answer_late() -
     # The metrics count what ran: one request, one item, one call.
     assert recorder.batches == [(1, 1)]
     assert recorder.sub_batches == [(2, 2, 1)]
+
+
+class FlatPredict:
+    """A model with no item sizes whose call takes ``seconds`` whatever its batch: batching's premise."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.batches: list[list[str]] = []
+
+    def __call__(self, batch: list[str]) -> list[str]:
+        self.batches.append(list(batch))
+        time.sleep(self.seconds)
+        return [f"out:{item}" for item in batch]
+
+
+def test_a_batch_is_not_refused_on_a_guess_from_calls_of_one_size() -> None:
+    predict = FlatPredict(0.2)
+    batcher = started(predict, admission=AdmissionRule(budget_s=1.0))
+    try:
+        # Every call so far held one item, so nothing shows how time grows with items.
+        assert wait_result(batcher.submit(["a"], FAR).future, 10) == ["out:a"]
+        running = batcher.submit(["b"], FAR)
+        while len(predict.batches) < 2:
+            time.sleep(0.005)
+        # Eight requests queue behind the running call. Read as 0.2 s an item, their
+        # batch would end past the budget; it takes 0.2 s, and none is refused.
+        queued = [batcher.submit([f"c{i}"], FAR) for i in range(8)]
+        assert wait_result(running.future, 10) == ["out:b"]
+        assert [wait_result(p.future, 10) for p in queued] == [[f"out:c{i}"] for i in range(8)]
+        assert predict.batches[2:] == [[f"c{i}" for i in range(8)]]
+    finally:
+        batcher.stop(10)

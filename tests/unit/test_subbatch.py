@@ -99,3 +99,17 @@ def test_a_falling_line_keeps_a_positive_cost_per_token() -> None:
     model.observe(1000, 0.01)
     estimate = model.estimate()
     assert estimate is not None and estimate.per_token_s > 0 and estimate.overhead_s == 0
+
+
+def test_the_floor_takes_calls_of_one_size_to_cost_what_they_cost_at_any_size() -> None:
+    model = CostModel(decay=1.0)
+    assert model.floor() is None
+    model.observe(1, 0.2)
+    model.observe(1, 0.4)
+    # A refusal must not guess that eight items take eight times one item's time.
+    assert model.floor() == Cost(pytest.approx(0.3), 0.0)
+    assert model.estimate() == Cost(0.0, pytest.approx(0.3))
+    # Once calls of other sizes show the line, the floor is the line.
+    model.observe(8, 0.3 + 8 * 0.01)
+    model.observe(16, 0.3 + 16 * 0.01)
+    assert model.floor() == model.estimate()
