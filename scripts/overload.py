@@ -20,6 +20,10 @@ requests). ``--recovery-seconds S``: after the overload the schedule goes on at
 capacity itself for S seconds, and the row adds goodput from 5 s after the
 overload ended to the end, against capacity: whether the service came back.
 
+``--behind-nginx``: everything (capacity included) goes through nginx in front
+of the service (scripts/serve_behind_nginx.py, deploy/nginx.conf as rendered);
+``--nginx-arg=--max-in-flight=N`` passes an argument on to it.
+
 ``--refusal-cost`` measures the worker CPU one refusal costs: requests whose
 ``X-Request-Start`` says they already waited past the budget, at a fixed rate
 against one worker, beside the CPU one served request costs at capacity.
@@ -28,6 +32,7 @@ against one worker, beside the CPU one served request costs at capacity.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -35,6 +40,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +48,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scripts import openloop  # noqa: E402
-from scripts.launcher import Service, serve  # noqa: E402
+from scripts.launcher import serve  # noqa: E402
 from scripts.procs import children  # noqa: E402
+from scripts.serve_behind_nginx import fronting  # noqa: E402
 
 # Goodput is back when, from this long after the overload ends, it matches capacity again.
 RECOVERED_AFTER_S = 5.0
@@ -54,10 +61,10 @@ CLIENTS = 32
 LONE_TEXT = "A man is eating food while the children play outside in the garden."
 
 
-def lone_latency_ms(server: Service, tries: int = 5) -> float:
+def lone_latency_ms(port: int, tries: int = 5) -> float:
     """Median latency of ``tries`` requests sent one after another on one connection."""
     body = json.dumps({"inputs": [LONE_TEXT]}).encode()
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     took = []
     try:
         for _ in range(tries):
@@ -72,8 +79,8 @@ def lone_latency_ms(server: Service, tries: int = 5) -> float:
     return round(1000 * statistics.median(took), 1) if took else float("nan")
 
 
-def readyz(server: Service) -> int:
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+def readyz(port: int) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
         conn.request("GET", "/readyz")
         response = conn.getresponse()
@@ -89,13 +96,17 @@ def table(
     seconds: float,
     texts: tuple[int, int] = (1, 1),
     recovery_s: float = 0.0,
+    nginx: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
     env = dict(os.environ, SERVE_WORKER_CLASS=worker_class)
     requests = openloop.corpus_requests("/predict/batched", texts=texts)
     rows = []
-    with serve(env, ready_timeout=300, all_workers=True) as server:
-        url = server.url + "/predict/batched"
-        before = lone_latency_ms(server)
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(serve(env, ready_timeout=300, all_workers=True))
+        # Through nginx, capacity and everything after are measured through it too.
+        port = server.port if nginx is None else stack.enter_context(fronting(server.port, nginx))
+        url = f"http://127.0.0.1:{port}/predict/batched"
+        before = lone_latency_ms(port)
         capacity = openloop.closed_loop(url, requests, clients=CLIENTS, seconds=min(20.0, seconds))
         print(f"overload: {worker_class}: capacity {capacity:.0f} req/s", file=sys.stderr)
         for multiple in multiples:
@@ -107,15 +118,15 @@ def table(
             result = openloop.run(url, requests, multiple * capacity, seconds + recovery_s, times=times)
             rows.append(
                 {
-                    "worker_class": worker_class,
+                    "worker_class": worker_class + (" behind nginx" if nginx is not None else ""),
                     "capacity_rps": round(capacity, 1),
                     "texts_per_request": f"{texts[0]}-{texts[1]}" if texts[0] != texts[1] else str(texts[0]),
                     "multiple": multiple,
                     **overload_phase(result, seconds).summary(),
                     "recovered_rps": recovered_rps(result, seconds, recovery_s),
-                    "readyz_after": readyz(server),
+                    "readyz_after": readyz(port),
                     "lone_ms_before": before,
-                    "lone_ms_after": lone_latency_ms(server),
+                    "lone_ms_after": lone_latency_ms(port),
                 }
             )
     return rows
@@ -233,6 +244,18 @@ def main(argv: list[str] | None = None) -> int:
         help=f"then offer capacity itself this long, and report goodput from {RECOVERED_AFTER_S:g} s "
         "after the overload ended (default 0: no recovery phase)",
     )
+    parser.add_argument(
+        "--behind-nginx",
+        action="store_true",
+        help="send everything through nginx in front of the service (scripts/serve_behind_nginx.py)",
+    )
+    parser.add_argument(
+        "--nginx-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="with --behind-nginx, one more argument to scripts/serve_behind_nginx.py; repeatable",
+    )
     parser.add_argument("--refusal-cost", action="store_true", help="instead: what one refusal costs")
     parser.add_argument("--rate", type=float, default=500, help="refusals a second for --refusal-cost")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here as JSON")
@@ -241,7 +264,14 @@ def main(argv: list[str] | None = None) -> int:
         result: Any = refusal_cost(args.rate, args.seconds)
         print(json.dumps(result, indent=2))
     else:
-        result = table(args.worker_class, args.multiples, args.seconds, args.texts, args.recovery_seconds)
+        result = table(
+            args.worker_class,
+            args.multiples,
+            args.seconds,
+            args.texts,
+            args.recovery_seconds,
+            args.nginx_arg if args.behind_nginx else None,
+        )
         print(markdown(result))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -17,6 +17,7 @@ import argparse
 import ast
 import ipaddress
 import math
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from service.errors import SettingsError  # noqa: E402
 from service.settings import Settings  # noqa: E402
+from service.topology.plan import PROBE_HEADROOM  # noqa: E402
 
 TEMPLATE = ROOT / "deploy" / "nginx.conf"
 GUNICORN_CONF = ROOT / "gunicorn_conf.py"
@@ -39,6 +41,8 @@ PROXY_TIMEOUT_MARGIN_S = 5
 # limit) go to a temp file, so a burst of large bodies cannot exhaust memory.
 BODY_BUFFER_BYTES = 128 * 1024
 MAX_NEXT_UPSTREAM_TRIES = 3
+# The largest number nginx's limit_conn takes.
+MAX_LIMIT_CONN = 65535
 
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 # Paths and addresses end up inside nginx directives: no spaces, quotes, braces or ';'.
@@ -63,6 +67,8 @@ class Options:
     fail_timeout_s: int = 10
     connect_timeout_s: int = 2
     next_upstream_tries: int | None = None
+    # Requests in flight to one backend; None: what its workers can run and queue.
+    max_in_flight: int | None = None
 
 
 def gunicorn_keepalive(path: Path = GUNICORN_CONF) -> int:
@@ -104,6 +110,7 @@ def render(template: str, options: Options, settings: Settings, keepalive_s: int
         "next_upstream_tries": str(
             options.next_upstream_tries or min(len(options.backends), MAX_NEXT_UPSTREAM_TRIES)
         ),
+        "max_in_flight": str(max_in_flight(options, settings)),
         "metrics_allow": "\n".join(f"            allow {net};" for net in options.metrics_allow),
     }
 
@@ -114,6 +121,35 @@ def render(template: str, options: Options, settings: Settings, keepalive_s: int
         return values[name]
 
     return _PLACEHOLDER.sub(fill, template)
+
+
+def max_in_flight(options: Options, settings: Settings) -> int:
+    """nginx's limit on requests in flight to all the backends together."""
+    total = len(options.backends) * (options.max_in_flight or in_flight_per_backend(settings))
+    if total > MAX_LIMIT_CONN:
+        raise SettingsError(
+            f"{len(options.backends)} backends x the in-flight limit per backend is {total}, past the "
+            f"{MAX_LIMIT_CONN} nginx's limit_conn allows: pass a smaller --max-in-flight"
+        )
+    return total
+
+
+def in_flight_per_backend(settings: Settings, cores: int | None = None) -> int:
+    """Requests one backend takes at once: a full batch per worker and a few more.
+
+    What the service's gthread workers take at once (request threads: max batch
+    size + PROBE_HEADROOM each). More in flight only waits longer: the model
+    runs one batch per worker at a time, and a request past the next batch is
+    one the service would refuse for its latency budget, at the cost of its
+    request path, while nginx refuses it in microseconds. On this 2-core
+    machine, under 20x capacity through nginx, 144 a backend kept goodput at
+    capacity; 272 lost a tenth of it and 640 most of it (docs/reliability.md).
+    Workers are SERVE_WORKERS, else one per core of this host, as the service
+    plans them on a CPU host; for backends unlike this host (GPUs, other core
+    counts) pass --max-in-flight.
+    """
+    workers = settings.workers or cores or os.cpu_count() or 1
+    return workers * (settings.max_batch_size + PROBE_HEADROOM)
 
 
 def _check(options: Options, keepalive_s: int) -> None:
@@ -154,6 +190,7 @@ def _check(options: Options, keepalive_s: int) -> None:
         ("--fail-timeout", options.fail_timeout_s),
         ("--connect-timeout", options.connect_timeout_s),
         ("--next-upstream-tries", 1 if options.next_upstream_tries is None else options.next_upstream_tries),
+        ("--max-in-flight", 1 if options.max_in_flight is None else options.max_in_flight),
     ):
         if number < 1:
             raise SettingsError(f"{name} must be a positive integer, got {number}")
@@ -208,6 +245,12 @@ def parse_args(argv: Sequence[str]) -> tuple[Options, str | None]:
     parser.add_argument(
         "--next-upstream-tries", type=int, help="backends one request may try (default: min(backends, 3))"
     )
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        help="requests in flight to each backend before nginx answers 503 itself (default: the backend's "
+        "workers x (SERVE_MAX_BATCH_SIZE + SERVE_MAX_QUEUE), its workers SERVE_WORKERS or this host's cores)",
+    )
     parser.add_argument("-o", "--output", help="write here instead of to stdout")
     args = parser.parse_args(argv)
     options = Options(
@@ -225,6 +268,7 @@ def parse_args(argv: Sequence[str]) -> tuple[Options, str | None]:
         fail_timeout_s=args.fail_timeout,
         connect_timeout_s=args.connect_timeout,
         next_upstream_tries=args.next_upstream_tries,
+        max_in_flight=args.max_in_flight,
     )
     return options, args.output
 

@@ -31,7 +31,6 @@ neither 200 nor 503.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import http.client
 import json
 import os
@@ -39,19 +38,17 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.launcher import free_port, serve, stop, wait_ready  # noqa: E402
-from scripts.serve_behind_nginx import find_nginx  # noqa: E402
+from scripts.launcher import serve  # noqa: E402
+from scripts.serve_behind_nginx import fronting  # noqa: E402
 
 CORPUS = ROOT / "scripts" / "corpus" / "mixed.txt"
 ROUTE = "/predict/batched"
@@ -125,29 +122,6 @@ def report(name: str, load: Load, seconds: float) -> dict[str, Any]:
     return row
 
 
-@contextlib.contextmanager
-def behind_nginx(backend_port: int) -> Iterator[int]:
-    """nginx on a free loopback port in front of the service on ``backend_port``; its port."""
-    nginx = find_nginx()
-    if nginx is None:
-        raise SystemExit("resenders: nginx not found; install it (apt-get install nginx)")
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="resenders-nginx-") as tmp:
-        prefix = Path(tmp)
-        prefix.chmod(0o755)  # run as root, nginx's workers are 'nobody' and use temp dirs in here
-        command = [sys.executable, str(ROOT / "scripts" / "serve_behind_nginx.py"), "--nginx", nginx]
-        command += ["--backend", f"127.0.0.1:{backend_port}", "--listen", f"127.0.0.1:{port}"]
-        command += ["--prefix", str(prefix)]
-        log_path = prefix / "script.log"
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_ready(f"http://127.0.0.1:{port}", [process], timeout=60, log_path=log_path)
-            yield port
-        finally:
-            stop(process, grace=20)
-
-
 def warm_levels(port: int, lines: list[str], seconds: float) -> list[dict[str, Any]]:
     Load(port, 32, lines).run(10)  # warm-up, not counted
     rows = []
@@ -173,7 +147,7 @@ def main() -> int:
     rows = []
 
     if args.behind_nginx:
-        with serve(env, all_workers=True) as service, behind_nginx(service.port) as port:
+        with serve(env, all_workers=True) as service, fronting(service.port) as port:
             rows = warm_levels(port, lines, args.seconds)
         capacity = statistics.median(rows[0]["windows_rps"])
         print()

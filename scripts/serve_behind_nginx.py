@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.launcher import LaunchError, start, stop, wait_ready  # noqa: E402
+from scripts.launcher import LaunchError, free_port, start, stop, wait_ready  # noqa: E402
 from scripts.render_nginx import TEMPLATE, Options, gunicorn_keepalive, render  # noqa: E402
 from service.errors import SettingsError  # noqa: E402
 from service.settings import Settings  # noqa: E402
@@ -65,6 +65,30 @@ def prefix_dir(given: str | None) -> Iterator[Path]:
         yield Path(tmp)
 
 
+@contextlib.contextmanager
+def fronting(backend_port: int, extra: Sequence[str] = ()) -> Iterator[int]:
+    """For the benchmarks: this script's nginx on a free loopback port, in front of the
+    service on ``backend_port``, with ``extra`` arguments; the port it listens on."""
+    nginx = find_nginx()
+    if nginx is None:
+        raise SystemExit("nginx not found; install it (apt-get install nginx)")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="bench-nginx-") as tmp:
+        prefix = Path(tmp)
+        prefix.chmod(0o755)  # run as root, nginx's workers are 'nobody' and use temp dirs in here
+        command = [sys.executable, str(Path(__file__).resolve()), "--nginx", nginx]
+        command += ["--backend", f"127.0.0.1:{backend_port}", "--listen", f"127.0.0.1:{port}"]
+        command += ["--prefix", str(prefix), *extra]
+        log_path = prefix / "script.log"
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_ready(f"http://127.0.0.1:{port}", [process], timeout=60, log_path=log_path)
+            yield port
+        finally:
+            stop(process, grace=20)
+
+
 def wait_for_stop(processes: Sequence[subprocess.Popen[bytes]]) -> None:
     """Block until SIGINT or SIGTERM arrives, or one of ``processes`` exits."""
     # Blocked only now, after the children started: a signal mask is inherited
@@ -98,6 +122,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--prefix", help="nginx's pid, logs and temp files here (default: a temp dir, removed)"
     )
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        help="requests in flight to each backend before nginx refuses (default: see render_nginx.py)",
+    )
     parser.add_argument("--nginx", help="the nginx binary (default: found on PATH or in /usr/sbin)")
     parser.add_argument(
         "gunicorn_args", nargs="*", help="extra gunicorn options when it starts gunicorn (after --)"
@@ -124,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             listen=args.listen,
             metrics_allow=tuple(args.metrics_allow or Options.metrics_allow),
             worker_processes=args.worker_processes,
+            max_in_flight=args.max_in_flight,
         )
         try:
             text = render(TEMPLATE.read_text(), options, Settings.from_env(), gunicorn_keepalive())

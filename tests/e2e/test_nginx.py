@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -50,6 +51,7 @@ PORT_LOG_ARGS = (
     "connection rid=%({x-request-id}i)s port=%({remote_port}e)s",
 )
 HOSTS = ("127.0.0.2", "127.0.0.3")
+JSON = {"Content-Type": "application/json"}
 T = TypeVar("T")
 
 
@@ -362,3 +364,50 @@ def test_nginx_words_its_own_errors_on_v1_as_openai_does(proxy: Proxy) -> None:
     v2 = requests.post(proxy.url + "/v2/models/mlp/infer", data=body, timeout=30)
     assert v2.status_code == 413
     assert "SERVE_MAX_BODY_BYTES" in v2.json()["error"]
+
+
+def stalled_post(url: str, path: str, body: bytes) -> socket.socket:
+    """A POST whose headers and half its body are sent: in flight at nginx until the rest comes."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body[: len(body) // 2])
+    return sock
+
+
+def finish(sock: socket.socket, body: bytes) -> int:
+    """Send the rest of ``stalled_post``'s body; the status it is answered with."""
+    with sock:
+        sock.sendall(body[len(body) // 2 :])
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        response.read()
+        return response.status
+
+
+def test_past_its_in_flight_limit_nginx_refuses_itself_with_a_json_503(pair: tuple[Server, Server]) -> None:
+    body = json.dumps({"inputs": [item()]}).encode()
+    with nginx([address(pair[0])], SMALL, max_in_flight=2) as limited:
+        stalled = [stalled_post(limited.url, "/predict", body) for _ in range(2)]
+        time.sleep(0.5)  # nginx has read both requests' headers: they are in flight
+        asked = time.monotonic()
+        refused = requests.post(limited.url + "/predict", data=body, headers=JSON, timeout=10)
+        assert refused.status_code == 503
+        # Held about a second before its body is out, so that a client that resends at once cannot spin.
+        assert time.monotonic() - asked >= 0.5
+        assert refused.headers["Retry-After"] == "1"
+        assert "2 requests are in flight" in refused.json()["error"]
+        [rid] = request_ids(refused)
+        # Answered by nginx alone: no backend saw it.
+        assert [entry["upstream_addr"] for entry in wait_for(nginx_lines, limited, rid)] == [""]
+        # On /v1 in the OpenAI API's shape, as nginx's other errors there.
+        embeddings = {"model": "mlp", "input": "x"}
+        openai = requests.post(limited.url + "/v1/embeddings", json=embeddings, timeout=10)
+        assert openai.status_code == 503
+        assert "in flight" in openai.json()["error"]["message"]
+        assert openai.json()["error"]["type"] == "server_error"
+        # Monitoring is not counted against the limit.
+        assert requests.get(limited.url + "/metrics", timeout=10).status_code == 200
+        # The two in flight are served, and their room is free again.
+        assert [finish(sock, body) for sock in stalled] == [200, 200]
+        assert requests.post(limited.url + "/predict", data=body, headers=JSON, timeout=10).status_code == 200

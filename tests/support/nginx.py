@@ -44,6 +44,7 @@ def nginx(
     env: Mapping[str, str] | None = None,
     *,
     metrics_allow: Sequence[str] = (),
+    max_in_flight: int | None = None,
     ready_timeout: float = 30,
 ) -> Iterator[Proxy]:
     """nginx on a free loopback port in front of ``backends``, with SERVE_* limits from ``env``."""
@@ -57,6 +58,8 @@ def nginx(
         command += ["--backend", backend]
     for net in metrics_allow:
         command += ["--metrics-allow", net]
+    if max_in_flight is not None:
+        command += ["--max-in-flight", str(max_in_flight)]
     with tempfile.TemporaryDirectory(prefix="nginx-test-") as tmp:
         prefix = Path(tmp)
         # Run as root, nginx's workers are 'nobody' and must reach their temp dirs in here.

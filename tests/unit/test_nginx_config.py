@@ -94,6 +94,22 @@ def test_nginx_passes_on_exactly_the_request_ids_the_service_keeps() -> None:
     assert nginx_keeps.fullmatch("span/0Af+x=_.:-")
 
 
+def test_requests_in_flight_are_bounded_at_a_full_batch_per_backend_worker() -> None:
+    two = ("10.0.0.1:8000", "10.0.0.2:8000")
+    # SERVE_WORKERS x (SERVE_MAX_BATCH_SIZE + 8), for every backend together.
+    text = rendered(Options(prefix="/p", backends=two), Settings(workers=3, max_batch_size=32))
+    assert directive(text, "limit_conn") == ["serve_in_flight 240"] * 2  # / and /v1/, not /metrics
+    assert "240 requests are in flight" in text
+    # Without SERVE_WORKERS, one worker per core of this host, as the service plans them.
+    cores = os.cpu_count() or 1
+    assert directive(rendered(), "limit_conn") == [f"serve_in_flight {cores * 72}"] * 2
+    explicit = rendered(Options(prefix="/p", backends=two, max_in_flight=100))
+    assert directive(explicit, "limit_conn") == ["serve_in_flight 200"] * 2
+    assert directive(text, "limit_conn_status") == ["503"]
+    # nginx's own 503s are held about a second, as the service holds its refusals.
+    assert directive(text, "limit_rate") == ["200"] * 2
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -106,6 +122,8 @@ def test_nginx_passes_on_exactly_the_request_ids_the_service_keeps() -> None:
         (Options(prefix="/p", upstream_keepalive_timeout_s=KEEPALIVE), "below gunicorn's keepalive"),
         (Options(prefix="/p", max_fails=0), "--max-fails must be a positive integer, got 0"),
         (Options(prefix="/p", next_upstream_tries=0), "--next-upstream-tries must be a positive integer"),
+        (Options(prefix="/p", max_in_flight=0), "--max-in-flight must be a positive integer, got 0"),
+        (Options(prefix="/p", backends=("a:1", "b:1"), max_in_flight=40_000), "past the 65535 nginx's"),
     ],
 )
 def test_bad_options_are_refused_with_a_reason(options: Options, message: str) -> None:
