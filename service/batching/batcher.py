@@ -34,7 +34,7 @@
 #   work held would take past its budget (service.batching.admission), and
 #   before each model call the batch thread refuses the same way each request
 #   the calls ahead of its answer would take past its budget (_shed_late), by
-#   the cost model's estimate (none before it has one; not before the
+#   the cost model's floor (none before it has one; not before the
 #   item-by-item re-run of a failed sub-batch). The
 #   service meter changes under _lock: in submit(), and in each future's done
 #   callback, run by whichever thread completes it (batch thread, watchdog, or

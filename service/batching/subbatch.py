@@ -18,8 +18,9 @@ call may need.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # The dynamic programme looks back at most this many rows per sub-batch, so a
 # batch of thousands of tiny items costs O(n * 512) to plan, not O(n^2); past
@@ -30,13 +31,18 @@ MAX_ROWS_CONSIDERED = 512
 
 @dataclass(frozen=True)
 class Cost:
-    """A model call's estimated cost in seconds: ``overhead_s + per_token_s * padded tokens``."""
+    """A model call's estimated cost in seconds: ``overhead_s + per_token_s * padded tokens``.
+
+    With ``largest``, padded tokens past it cost nothing more: a line not drawn
+    past the largest call it was measured on (CostModel.floor).
+    """
 
     overhead_s: float
     per_token_s: float
+    largest: float = math.inf
 
     def of(self, rows: int, longest: int) -> float:
-        return self.overhead_s + self.per_token_s * rows * longest
+        return self.overhead_s + self.per_token_s * min(rows * longest, self.largest)
 
 
 class CostModel:
@@ -54,12 +60,14 @@ class CostModel:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         self._decay = decay
         self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._largest = 0.0  # the largest call seen, in padded tokens
 
     def observe(self, padded_tokens: int, seconds: float) -> None:
         if padded_tokens <= 0 or seconds < 0:
             return
         d = self._decay
         x, y = float(padded_tokens), seconds
+        self._largest = max(self._largest, x)
         self._w = d * self._w + 1
         self._x = d * self._x + x
         self._y = d * self._y + y
@@ -85,16 +93,17 @@ class CostModel:
     def floor(self) -> Cost | None:
         """The least a call may cost given what was seen, for a decision to refuse; None before any.
 
-        While every call so far had one size, estimate() guesses that time grows
-        in proportion to size: harmless for cuts, which it only steers away from
-        padding, but a refusal made on that guess would turn away a batch that
-        runs in about the time of one item (the reason to batch at all). Until
-        calls of different sizes show how time grows, a call is taken to cost
-        what the calls seen cost, whatever its size.
+        The estimate, never drawn past the largest call seen: a model's time
+        does not fall as its batch grows, but how far it rises past what was
+        measured is a guess. Read as a time per item, one call of one item
+        would refuse a batch of twelve that runs in about the same time (the
+        reason to batch at all); and two nearly flat sizes give a slope that,
+        drawn out to a large batch, refuses it just the same. A refusal made on
+        a guess turns away work the service could do; one missed leaves the
+        next call's check and the door to catch up.
         """
-        if self._w == 0:
-            return None
-        return self._line() or Cost(self._y / self._w, 0.0)
+        estimate = self.estimate()
+        return None if estimate is None else replace(estimate, largest=self._largest)
 
     def _line(self) -> Cost | None:
         """The line through calls of different sizes, if they show time growing with size."""

@@ -1,7 +1,7 @@
 """The batcher's latency-budget checks, at submit() and before each model call.
 
-Deterministic: they wait on events, never on sleeps, except one model that
-takes real time on purpose, because the check before each call must see the
+Deterministic: they wait on events, never on sleeps, except two models that
+take real time on purpose, because the check before each call must see the
 time the calls before it took.
 """
 
@@ -196,7 +196,9 @@ def test_a_batch_is_not_refused_on_a_guess_from_calls_of_one_size() -> None:
         # Every call so far held one item, so nothing shows how time grows with items.
         assert wait_result(batcher.submit(["a"], FAR).future, 10) == ["out:a"]
         running = batcher.submit(["b"], FAR)
+        deadline = time.monotonic() + 10
         while len(predict.batches) < 2:
+            assert time.monotonic() < deadline, "the second call never started"
             time.sleep(0.005)
         # Eight requests queue behind the running call. Read as 0.2 s an item, their
         # batch would end past the budget; it takes 0.2 s, and none is refused.

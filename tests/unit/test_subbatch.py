@@ -101,15 +101,25 @@ def test_a_falling_line_keeps_a_positive_cost_per_token() -> None:
     assert estimate is not None and estimate.per_token_s > 0 and estimate.overhead_s == 0
 
 
-def test_the_floor_takes_calls_of_one_size_to_cost_what_they_cost_at_any_size() -> None:
+def test_the_floor_is_the_estimate_never_drawn_past_the_largest_call_seen() -> None:
     model = CostModel(decay=1.0)
     assert model.floor() is None
     model.observe(1, 0.2)
     model.observe(1, 0.4)
+    floor = model.floor()
+    assert floor is not None
     # A refusal must not guess that eight items take eight times one item's time.
-    assert model.floor() == Cost(pytest.approx(0.3), 0.0)
+    assert floor.of(8, 1) == pytest.approx(0.3)
     assert model.estimate() == Cost(0.0, pytest.approx(0.3))
-    # Once calls of other sizes show the line, the floor is the line.
-    model.observe(8, 0.3 + 8 * 0.01)
-    model.observe(16, 0.3 + 16 * 0.01)
-    assert model.floor() == model.estimate()
+    # Two nearly flat sizes: the line (0.18 s + 0.02 s an item) stops at the larger.
+    flat = CostModel(decay=1.0)
+    flat.observe(1, 0.20)
+    flat.observe(2, 0.22)
+    floor = flat.floor()
+    assert floor is not None and floor.of(1, 1) == pytest.approx(0.20)
+    assert floor.of(32, 1) == pytest.approx(0.22)
+    # Smaller calls than those seen cost less, not the mean of the large ones.
+    large = CostModel(decay=1.0)
+    large.observe(16, 0.32)
+    floor = large.floor()
+    assert floor is not None and floor.of(1, 1) == pytest.approx(0.02)
