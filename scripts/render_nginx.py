@@ -17,7 +17,6 @@ import argparse
 import ast
 import ipaddress
 import math
-import os
 import re
 import sys
 from collections.abc import Sequence
@@ -29,7 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 from service.errors import SettingsError  # noqa: E402
 from service.settings import Settings  # noqa: E402
-from service.topology.plan import PROBE_HEADROOM  # noqa: E402
+from service.topology.inventory import Inventory, read_inventory  # noqa: E402
+from service.topology.plan import PROBE_HEADROOM, plan  # noqa: E402
 
 TEMPLATE = ROOT / "deploy" / "nginx.conf"
 GUNICORN_CONF = ROOT / "gunicorn_conf.py"
@@ -41,8 +41,6 @@ PROXY_TIMEOUT_MARGIN_S = 5
 # limit) go to a temp file, so a burst of large bodies cannot exhaust memory.
 BODY_BUFFER_BYTES = 128 * 1024
 MAX_NEXT_UPSTREAM_TRIES = 3
-# The largest number nginx's limit_conn takes.
-MAX_LIMIT_CONN = 65535
 
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 # Paths and addresses end up inside nginx directives: no spaces, quotes, braces or ';'.
@@ -67,7 +65,7 @@ class Options:
     fail_timeout_s: int = 10
     connect_timeout_s: int = 2
     next_upstream_tries: int | None = None
-    # Requests in flight to one backend; None: what its workers can run and queue.
+    # Requests at one backend at once (max_conns); None: as the service plans this host.
     max_in_flight: int | None = None
 
 
@@ -89,7 +87,10 @@ def render(template: str, options: Options, settings: Settings, keepalive_s: int
     _check(options, keepalive_s)
     timeout_s = math.ceil(settings.request_timeout_ms / 1000)
     access_log = options.access_log or f"{options.prefix}/access.log"
-    server_params = f"max_fails={options.max_fails} fail_timeout={options.fail_timeout_s}s"
+    per_backend = options.max_in_flight or in_flight_per_backend(settings)
+    server_params = (
+        f"max_fails={options.max_fails} fail_timeout={options.fail_timeout_s}s max_conns={per_backend}"
+    )
     values = {
         "prefix": options.prefix,
         "error_log": options.error_log or f"{options.prefix}/error.log",
@@ -110,7 +111,7 @@ def render(template: str, options: Options, settings: Settings, keepalive_s: int
         "next_upstream_tries": str(
             options.next_upstream_tries or min(len(options.backends), MAX_NEXT_UPSTREAM_TRIES)
         ),
-        "max_in_flight": str(max_in_flight(options, settings)),
+        "max_in_flight": str(per_backend),
         "metrics_allow": "\n".join(f"            allow {net};" for net in options.metrics_allow),
     }
 
@@ -123,33 +124,28 @@ def render(template: str, options: Options, settings: Settings, keepalive_s: int
     return _PLACEHOLDER.sub(fill, template)
 
 
-def max_in_flight(options: Options, settings: Settings) -> int:
-    """nginx's limit on requests in flight to all the backends together."""
-    total = len(options.backends) * (options.max_in_flight or in_flight_per_backend(settings))
-    if total > MAX_LIMIT_CONN:
-        raise SettingsError(
-            f"{len(options.backends)} backends x the in-flight limit per backend is {total}, past the "
-            f"{MAX_LIMIT_CONN} nginx's limit_conn allows: pass a smaller --max-in-flight"
-        )
-    return total
+def in_flight_per_backend(settings: Settings, inventory: Inventory | None = None) -> int:
+    """Requests a backend takes at once as the service plans it on this host (``inventory``).
 
-
-def in_flight_per_backend(settings: Settings, cores: int | None = None) -> int:
-    """Requests one backend takes at once: a full batch per worker and a few more.
-
-    What the service's gthread workers take at once (request threads: max batch
-    size + PROBE_HEADROOM each). More in flight only waits longer: the model
-    runs one batch per worker at a time, and a request past the next batch is
-    one the service would refuse for its latency budget, at the cost of its
-    request path, while nginx refuses it in microseconds. On this 2-core
-    machine, under 20x capacity through nginx, 144 a backend kept goodput at
-    capacity; 272 lost a tenth of it and 640 most of it (docs/reliability.md).
-    Workers are SERVE_WORKERS, else one per core of this host, as the service
-    plans them on a CPU host; for backends unlike this host (GPUs, other core
-    counts) pass --max-in-flight.
+    A full batch per worker and a few more: what a gthread worker takes at once
+    (its request threads), max batch size + PROBE_HEADROOM for gevent, one for
+    sync. More in flight only waits longer: a worker runs one batch at a time,
+    and a request past the next batch is one the service would refuse for its
+    latency budget, at the cost of its request path, while nginx refuses it in
+    microseconds (docs/reliability.md measures 144, 272 and 640 a backend). For
+    backends unlike this host (GPUs, other core counts) pass --max-in-flight.
     """
-    workers = settings.workers or cores or os.cpu_count() or 1
-    return workers * (settings.max_batch_size + PROBE_HEADROOM)
+    try:
+        planned = plan(settings, inventory or read_inventory())
+    except SettingsError as exc:
+        raise SettingsError(f"{exc}; to render for other hosts, pass --max-in-flight") from None
+    if planned.worker_class == "gthread":
+        per_worker = planned.threads
+    elif planned.worker_class == "gevent":
+        per_worker = settings.max_batch_size + PROBE_HEADROOM
+    else:
+        per_worker = 1
+    return len(planned.workers) * per_worker
 
 
 def _check(options: Options, keepalive_s: int) -> None:
@@ -248,8 +244,8 @@ def parse_args(argv: Sequence[str]) -> tuple[Options, str | None]:
     parser.add_argument(
         "--max-in-flight",
         type=int,
-        help="requests in flight to each backend before nginx answers 503 itself (default: the backend's "
-        "workers x (SERVE_MAX_BATCH_SIZE + SERVE_MAX_QUEUE), its workers SERVE_WORKERS or this host's cores)",
+        help="requests at each backend at once; past it on every backend nginx answers 503 itself (default: "
+        "a full batch per worker and 8 more, the workers as the service plans them on this host)",
     )
     parser.add_argument("-o", "--output", help="write here instead of to stdout")
     args = parser.parse_args(argv)

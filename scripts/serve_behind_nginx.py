@@ -125,7 +125,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--max-in-flight",
         type=int,
-        help="requests in flight to each backend before nginx refuses (default: see render_nginx.py)",
+        help="requests at each backend at once before nginx refuses (default: see render_nginx.py)",
     )
     parser.add_argument("--nginx", help="the nginx binary (default: found on PATH or in /usr/sbin)")
     parser.add_argument(

@@ -385,29 +385,54 @@ def finish(sock: socket.socket, body: bytes) -> int:
         return response.status
 
 
-def test_past_its_in_flight_limit_nginx_refuses_itself_with_a_json_503(pair: tuple[Server, Server]) -> None:
-    body = json.dumps({"inputs": [item()]}).encode()
-    with nginx([address(pair[0])], SMALL, max_in_flight=2) as limited:
-        stalled = [stalled_post(limited.url, "/predict", body) for _ in range(2)]
-        time.sleep(0.5)  # nginx has read both requests' headers: they are in flight
-        asked = time.monotonic()
-        refused = requests.post(limited.url + "/predict", data=body, headers=JSON, timeout=10)
-        assert refused.status_code == 503
-        # Held about a second before its body is out, so that a client that resends at once cannot spin.
-        assert time.monotonic() - asked >= 0.5
-        assert refused.headers["Retry-After"] == "1"
-        assert "2 requests are in flight" in refused.json()["error"]
-        [rid] = request_ids(refused)
-        # Answered by nginx alone: no backend saw it.
-        assert [entry["upstream_addr"] for entry in wait_for(nginx_lines, limited, rid)] == [""]
-        # On /v1 in the OpenAI API's shape, as nginx's other errors there.
-        embeddings = {"model": "mlp", "input": "x"}
-        openai = requests.post(limited.url + "/v1/embeddings", json=embeddings, timeout=10)
-        assert openai.status_code == 503
-        assert "in flight" in openai.json()["error"]["message"]
-        assert openai.json()["error"]["type"] == "server_error"
-        # Monitoring is not counted against the limit.
-        assert requests.get(limited.url + "/metrics", timeout=10).status_code == 200
-        # The two in flight are served, and their room is free again.
-        assert [finish(sock, body) for sock in stalled] == [200, 200]
-        assert requests.post(limited.url + "/predict", data=body, headers=JSON, timeout=10).status_code == 200
+SLEEPY = {"SERVE_MODEL": "tests.support.models:sleepy", "SERVE_WORKERS": "1", "SERVE_TORCH_THREADS": "1"}
+
+
+def sleep_at_backend(url: str, seconds: float) -> int:
+    """A request that keeps the backend busy for ``seconds``; its status."""
+    return requests.post(url + "/predict/naive", json={"inputs": [seconds]}, timeout=30).status_code
+
+
+def in_flight(server: Server) -> float:
+    """The requests the backend is handling now, read from its own metrics."""
+    text = server.get("/metrics").text
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("serve_http_requests_in_flight")
+    )
+
+
+def test_when_every_backend_is_full_nginx_refuses_itself_with_a_held_json_503() -> None:
+    instant = json.dumps({"inputs": [0]}).encode()
+    with gunicorn(SLEEPY) as backend, nginx([address(backend)], SLEEPY, max_in_flight=2) as limited:
+        # Clients still sending their bodies hold no room: only requests at the backend count.
+        stalled = [stalled_post(limited.url, "/predict/naive", instant) for _ in range(2)]
+        assert sleep_at_backend(limited.url, 0) == 200
+        with ThreadPoolExecutor(2) as pool:
+            sleeping = [pool.submit(sleep_at_backend, limited.url, 4) for _ in range(2)]
+            # Asked of the backend itself: a probe through nginx would take the room it probes.
+            deadline = time.monotonic() + 10
+            while in_flight(backend) < 3:  # the two, and this scrape
+                assert time.monotonic() < deadline, "the two requests never reached the backend"
+                time.sleep(0.05)
+            asked = time.monotonic()
+            refused = requests.post(limited.url + "/predict/naive", data=instant, headers=JSON, timeout=10)
+            assert refused.status_code == 503, refused.text
+            # Held about a second before its body is out, so that a client that resends at once cannot spin.
+            assert time.monotonic() - asked >= 0.5
+            assert refused.headers["Retry-After"] == "1"
+            assert "every backend has 2 requests in flight" in refused.json()["error"]
+            [rid] = request_ids(refused)
+            # Answered by nginx alone, which names the upstream group, not a backend.
+            assert [entry["upstream_addr"] for entry in wait_for(nginx_lines, limited, rid)] == ["serve"]
+            # On /v1 in the OpenAI API's shape, as nginx's other errors there.
+            embeddings = {"model": "sleepy", "input": "x"}
+            openai = requests.post(limited.url + "/v1/embeddings", json=embeddings, timeout=10)
+            assert openai.status_code == 503
+            assert "requests in flight" in openai.json()["error"]["message"]
+            assert openai.json()["error"]["type"] == "server_error"
+            assert [future.result() for future in sleeping] == [200, 200]
+        # Their room is free again, and the slow clients are served once their bodies are in.
+        assert sleep_at_backend(limited.url, 0) == 200
+        assert [finish(sock, instant) for sock in stalled] == [200, 200]

@@ -15,11 +15,13 @@ from scripts.render_nginx import (
     TEMPLATE,
     Options,
     gunicorn_keepalive,
+    in_flight_per_backend,
     render,
 )
 from service.errors import SettingsError
 from service.http.access import request_id
 from service.settings import Settings
+from service.topology.inventory import Inventory
 from tests.support.server import ROOT
 
 KEEPALIVE = gunicorn_keepalive()
@@ -51,8 +53,9 @@ def test_limits_follow_the_services_settings() -> None:
 
 def test_several_backends_share_load_with_passive_health_and_bounded_retries() -> None:
     backends = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "unix:/run/serve.sock")
-    text = rendered(Options(prefix="/srv/nginx", backends=backends, max_fails=2, fail_timeout_s=7))
-    assert directive(text, "server") == [f"{b} max_fails=2 fail_timeout=7s" for b in backends]
+    options = Options(prefix="/srv/nginx", backends=backends, max_fails=2, fail_timeout_s=7, max_in_flight=50)
+    text = rendered(options)
+    assert directive(text, "server") == [f"{b} max_fails=2 fail_timeout=7s max_conns=50" for b in backends]
     assert re.search(r"^\s*least_conn;", text, flags=re.MULTILINE)
     assert directive(text, "proxy_next_upstream") == ["error timeout http_502 http_503 non_idempotent"]
     assert directive(text, "proxy_next_upstream_tries") == ["3"]
@@ -78,7 +81,8 @@ def test_forwarding_headers_request_id_and_error_pages() -> None:
     assert directive(text, "server_tokens") == ["off"]
     assert directive(text, "allow") == ["10.9.0.0/16", "127.0.0.1"]
     for status in (413, 502, 503, 504):
-        assert re.search(rf"error_page {status} @\w+;", text)
+        # 502's page answers with its own status: 503 when no backend had room.
+        assert re.search(rf"error_page {status} (= )?@\w+;", text)
         assert re.search(rf"return {status} '\{{\"error\":", text)
 
 
@@ -94,19 +98,25 @@ def test_nginx_passes_on_exactly_the_request_ids_the_service_keeps() -> None:
     assert nginx_keeps.fullmatch("span/0Af+x=_.:-")
 
 
-def test_requests_in_flight_are_bounded_at_a_full_batch_per_backend_worker() -> None:
+def test_requests_at_each_backend_are_bounded_at_a_full_batch_per_worker_and_a_few_more() -> None:
     two = ("10.0.0.1:8000", "10.0.0.2:8000")
-    # SERVE_WORKERS x (SERVE_MAX_BATCH_SIZE + 8), for every backend together.
-    text = rendered(Options(prefix="/p", backends=two), Settings(workers=3, max_batch_size=32))
-    assert directive(text, "limit_conn") == ["serve_in_flight 240"] * 2  # / and /v1/, not /metrics
-    assert "240 requests are in flight" in text
-    # Without SERVE_WORKERS, one worker per core of this host, as the service plans them.
-    cores = os.cpu_count() or 1
-    assert directive(rendered(), "limit_conn") == [f"serve_in_flight {cores * 72}"] * 2
-    explicit = rendered(Options(prefix="/p", backends=two, max_in_flight=100))
-    assert directive(explicit, "limit_conn") == ["serve_in_flight 200"] * 2
-    assert directive(text, "limit_conn_status") == ["503"]
-    # nginx's own 503s are held about a second, as the service holds its refusals.
+    four_cores = Inventory(affinity_cores=4)
+    # As the service plans this host: 4 workers, each taking max batch size + 8 at once.
+    assert in_flight_per_backend(Settings(max_batch_size=32), four_cores) == 4 * 40
+    assert in_flight_per_backend(Settings(torch_threads=2), four_cores) == 2 * 72
+    assert in_flight_per_backend(Settings(workers=3, threads=10), four_cores) == 30
+    assert in_flight_per_backend(Settings(workers=3, worker_class="gevent"), four_cores) == 3 * 72
+    assert in_flight_per_backend(Settings(workers=3, worker_class="sync"), four_cores) == 3
+    # Per backend, counted by nginx's workers together (a shared zone).
+    text = rendered(Options(prefix="/p", backends=two, max_in_flight=100))
+    assert [line.rsplit(" ", 1)[1] for line in directive(text, "server")] == ["max_conns=100"] * 2
+    assert directive(text, "zone") == ["serve_upstream 64k"]
+    assert "every backend has 100 requests in flight" in text
+    planned = in_flight_per_backend(Settings())
+    assert directive(rendered(), "server") == [
+        f"127.0.0.1:8000 max_fails=3 fail_timeout=10s max_conns={planned}"
+    ]
+    # nginx's own busy 503s are held about a second, as the service holds its refusals.
     assert directive(text, "limit_rate") == ["200"] * 2
 
 
@@ -123,7 +133,6 @@ def test_requests_in_flight_are_bounded_at_a_full_batch_per_backend_worker() -> 
         (Options(prefix="/p", max_fails=0), "--max-fails must be a positive integer, got 0"),
         (Options(prefix="/p", next_upstream_tries=0), "--next-upstream-tries must be a positive integer"),
         (Options(prefix="/p", max_in_flight=0), "--max-in-flight must be a positive integer, got 0"),
-        (Options(prefix="/p", backends=("a:1", "b:1"), max_in_flight=40_000), "past the 65535 nginx's"),
     ],
 )
 def test_bad_options_are_refused_with_a_reason(options: Options, message: str) -> None:
