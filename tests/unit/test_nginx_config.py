@@ -149,3 +149,13 @@ def test_gunicorn_conf_trusts_the_configured_proxies() -> None:
         [sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, check=True
     )
     assert out.stdout.split() == ["10.1.0.0/16,10.2.0.5", str(KEEPALIVE)]
+
+
+def test_no_room_is_read_from_the_upstream_group_named_last() -> None:
+    # The map's regex, run here by Python's re (PCRE and re agree on this one).
+    [pattern] = re.findall(r'"~(.+)" 1;', rendered().split("$serve_no_room {", 1)[1].split("}", 1)[0])
+    # nginx names the group when it found no backend with room, after any it tried first.
+    for no_room in ("serve", "10.0.0.1:8000, serve", "10.0.0.1:8000, unix:/run/g.sock, serve"):
+        assert re.search(pattern, no_room)
+    for answered in ("10.0.0.1:8000", "10.0.0.1:8000, 10.0.0.2:8000", "unix:/run/serve", "serve.local:80"):
+        assert not re.search(pattern, answered)
