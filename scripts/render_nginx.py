@@ -3,8 +3,9 @@
 Service limits come from the same SERVE_* variables the service reads (parsed by
 service.settings, so a bad value fails here as it would there); where nginx
 listens, which backends it spreads load over and who may read /metrics come from
-the arguments. Standard library only, so it runs on a host without the service's
-dependencies:
+the arguments, and how many requests a backend takes at once from the service's
+own plan for this host unless --max-in-flight says. Standard library only, so it
+runs on a host without the service's dependencies:
 
     SERVE_MAX_BODY_BYTES=2097152 python scripts/render_nginx.py \\
         --backend 10.0.0.11:8000 --backend 10.0.0.12:8000 --listen 80 \\
@@ -83,7 +84,11 @@ def gunicorn_keepalive(path: Path = GUNICORN_CONF) -> int:
 
 
 def render(template: str, options: Options, settings: Settings, keepalive_s: int) -> str:
-    """The config text: ``template`` with every ``{{name}}`` filled in. Pure."""
+    """The config text: ``template`` with every ``{{name}}`` filled in.
+
+    Pure, but for the default ``max_in_flight``: without one, this host's
+    inventory is read to plan the service as it would run here.
+    """
     _check(options, keepalive_s)
     timeout_s = math.ceil(settings.request_timeout_ms / 1000)
     access_log = options.access_log or f"{options.prefix}/access.log"
