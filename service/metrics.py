@@ -49,7 +49,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from service.batching.batcher import BatchObserver
 from service.errors import DeadlineExceeded, Overloaded, ServeError, SettingsError
 from service.settings import Settings
-from service.tally import Tally, observe_all
+from service.tally import Tally
 
 EXTENSION = "serve_metrics"
 
@@ -197,8 +197,9 @@ class Metrics(BatchObserver):
             self.rejected.labels(reason)
         for reason in TIMEOUT_REASONS:
             self.timed_out.labels(reason)
-        for kind in ("real", "padded"):
-            self.tokens.labels(kind)
+        # Looked up once: labels() takes the metric's lock on every call.
+        self._real_tokens = self.tokens.labels("real")
+        self._padded_tokens = self.tokens.labels("padded")
         self._request_series: dict[tuple[str, int], tuple[Any, Any]] = {}
         self._shed_series: dict[tuple[Counter, str], Any] = {}
         # Request threads' updates, written a batch at a time (service.tally).
@@ -229,8 +230,11 @@ class Metrics(BatchObserver):
         self._tally.settle()
 
     def observe_wait(self, seconds: float) -> None:
+        # The door's, just before the request enters (request_started) or is
+        # refused (observe_request): either flushes it, so it is not flushed
+        # here too, once more for every request that finds its worker idle.
         self._tally.observe(self.wait_before_handler, seconds)
-        self._tally.settle()
+        self._tally.defer()
 
     def count_error(self, exc: ServeError) -> None:
         """Count a shed request by its reason; called once per request, where it is answered."""
@@ -249,12 +253,15 @@ class Metrics(BatchObserver):
     # -- batcher side (BatchObserver) ---------------------------------------------
 
     def on_batch(self, items: int, requests: int, queue_waits: list[float], model_seconds: float) -> None:
-        self.batch_size.observe(items)
-        self.items.inc(items)
-        self.batches.inc()
-        self.model_duration.observe(model_seconds)
-        if queue_waits:
-            observe_all(self.queue_wait, queue_waits)
+        # Written with the request threads' updates: the batch thread takes no
+        # metrics lock, and a burst of small batches costs one write per series.
+        tally = self._tally
+        tally.observe(self.batch_size, items)
+        tally.inc(self.items, items)
+        tally.inc(self.batches)
+        tally.observe(self.model_duration, model_seconds)
+        tally.observe_many(self.queue_wait, queue_waits)
+        tally.settle()
         self._record_gpu_memory()
         self._record_resident_memory()
 
@@ -264,9 +271,11 @@ class Metrics(BatchObserver):
         self._tally.settle()
 
     def on_sub_batches(self, real_tokens: int, padded_tokens: int, sub_batches: int) -> None:
-        self.tokens.labels("real").inc(real_tokens)
-        self.tokens.labels("padded").inc(padded_tokens)
-        self.sub_batches.observe(sub_batches)
+        tally = self._tally
+        tally.inc(self._real_tokens, real_tokens)
+        tally.inc(self._padded_tokens, padded_tokens)
+        tally.observe(self.sub_batches, sub_batches)
+        tally.settle()
 
     def on_model_loaded(self, device: str, seconds: float) -> None:
         label = self._planned_device or device

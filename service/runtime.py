@@ -39,7 +39,7 @@ from service.batching.subbatch import CostModel
 from service.batching.watchdog import Watchdog
 from service.errors import NotReady
 from service.models import Model, describe, load_model
-from service.models.base import Outputs, SizedModel, sample_item, task_of
+from service.models.base import Outputs, item_sizer, sample_item, task_of
 from service.outputs import check_outputs, client_error
 from service.settings import Settings
 
@@ -112,7 +112,7 @@ class ModelRuntime:
             delay_s=self.settings.max_batch_delay_ms / 1000,
             adaptive=self.settings.batch_gather == "adaptive",
         )
-        sizer = model.item_size if isinstance(model, SizedModel) else None
+        sizer = item_sizer(model)
         batcher = Batcher(
             model.predict,
             max_batch_size=self.settings.max_batch_size,

@@ -58,7 +58,7 @@ from service.batching.reply import Reply
 from service.batching.subbatch import Cost, CostModel, cut
 from service.errors import DeadlineExceeded, ModelError, NotReady, Overloaded, ServeError
 from service.models.base import Outputs
-from service.outputs import check_count, check_finite, client_error
+from service.outputs import check_count, check_finite, client_error, first_non_finite
 
 log = logging.getLogger(__name__)
 
@@ -526,17 +526,14 @@ class Batcher:
                 self._predict_and_deliver([pending])
             return
         self._batch_ran(live, len(items), started)
+        # One look at the whole batch answers the usual case; only a batch that
+        # holds NaN or infinity is looked at request by request.
+        finite = first_non_finite(outputs) is None
         start = 0
         for pending in live:
             end = start + len(pending.items)
             pending.batch_size = len(items)
-            result = outputs[start:end]
-            try:
-                check_finite(result)
-            except ModelError as refused:
-                _fail(pending.future, refused)
-            else:
-                _deliver(pending.future, result)
+            _answer(pending.future, outputs[start:end], finite)
             start = end
 
     def _call(self, items: list[Any]) -> Outputs | ServeError:
@@ -607,14 +604,11 @@ class Batcher:
             log.warning("sub-batch of %d items failed; re-running them one by one", len(entries))
             return sum(self._run_entries(batch, [e]) for e in entries if e[1] not in batch.failed)
         self.cost.observe(padded, time.monotonic() - started)
+        # A request's rows may come from several calls: its result is looked at
+        # row by row once any call of this batch returned NaN or infinity.
+        batch.finite = batch.finite and first_non_finite(outputs) is None
         for r in batch.store(entries, outputs):
-            result = batch.result(r)
-            try:
-                check_finite(result)
-            except ModelError as refused:
-                _fail(batch.live[r].future, refused)
-            else:
-                _deliver(batch.live[r].future, result)
+            _answer(batch.live[r].future, batch.result(r), batch.finite)
         return padded
 
 
@@ -633,6 +627,7 @@ class _Assembly:
         self.left = [len(pending.items) for pending in live]
         self.array = [True] * len(live)  # every row came from an array: answer with one
         self.failed: set[int] = set()
+        self.finite = True  # every call so far returned only finite outputs
         self.ranges: list[tuple[int, int]] = []
         self.last: list[int] = []  # each request's last sub-batch
 
@@ -704,6 +699,20 @@ def _fail(future: Reply, error: BaseException) -> bool:
     except InvalidStateError:
         return False
     return True
+
+
+def _answer(future: Reply, result: Outputs, finite: bool) -> None:
+    """Deliver a request's outputs, or fail it with a 500 if they hold NaN or infinity.
+
+    ``finite``: the call they came from was checked whole and held neither.
+    """
+    if not finite:
+        try:
+            check_finite(result)
+        except ModelError as refused:
+            _fail(future, refused)
+            return
+    _deliver(future, result)
 
 
 def _deliver(future: Reply, result: Outputs) -> None:

@@ -41,6 +41,7 @@ from service.batching.admission import predict_wait
 from service.host.balance import Balance
 from service.host.hold import HeldConnections, peek
 from service.host.lifecycle import runtime_of
+from service.host.one_write import one_write
 from service.http.arrival import (
     ARRIVAL_ENVIRON_KEY,
     HELD_OUT,
@@ -279,6 +280,7 @@ class StampedApp:
         returning = getattr(self._arrivals, "returning", None)
         if returning:
             environ[RETURNING_ENVIRON_KEY] = returning
+        one_write(start_response)
         answer = self._app(environ, start_response)
         self._arrivals.hold_s = environ.get(HOLD_ENVIRON_KEY, 0.0)
         return answer

@@ -24,7 +24,7 @@ from service.http import v2_codec
 from service.http.inference import json_response, run_batched, runtime, with_batch_size
 from service.http.payload import load_json, prepare_items, require_json
 from service.models import Model
-from service.models.base import EMBEDDINGS, GENERIC, RERANK, SizedModel, json_type, task_of
+from service.models.base import EMBEDDINGS, GENERIC, RERANK, item_sizer, json_type, task_of
 
 bp = Blueprint("openai", __name__, url_prefix="/v1")
 
@@ -215,6 +215,5 @@ def _encode(vector: np.ndarray, encoding: str) -> Any:
 def _count_tokens(model: Model, items: list[Any]) -> int:
     """Tokens the model read: a text model's item size is its token count after truncation
     (service.models.base.SizedModel); 0 for a model that does not report sizes."""
-    if not isinstance(model, SizedModel):
-        return 0
-    return sum(model.item_size(item) for item in items)
+    size = item_sizer(model)
+    return sum(size(item) for item in items) if size is not None else 0

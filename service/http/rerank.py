@@ -24,7 +24,7 @@ from service.errors import ModelError, ServeError
 from service.http.inference import Batched, json_response, run_batched, run_naive, runtime, with_batch_size
 from service.http.payload import load_json, prepare_items, require_json
 from service.models import Model
-from service.models.base import MAX_TEXT_CHARS, RERANK, SizedModel, json_type, task_of
+from service.models.base import MAX_TEXT_CHARS, RERANK, item_sizer, json_type, task_of
 
 bp = Blueprint("rerank", __name__)
 
@@ -171,9 +171,8 @@ def render(done: Batched, asked: RerankRequest, version: int) -> dict[str, Any]:
         if asked.return_documents:
             result["document"] = {"text": asked.texts[index]}
         results.append(result)
-    tokens = (
-        sum(done.model.item_size(item) for item in asked.items) if isinstance(done.model, SizedModel) else 0
-    )
+    size = item_sizer(done.model)
+    tokens = sum(size(item) for item in asked.items) if size is not None else 0
     return {
         "id": g.get("request_id") or uuid.uuid4().hex,
         "results": results,

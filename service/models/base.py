@@ -14,7 +14,7 @@ from __future__ import annotations
 import base64
 import io
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
@@ -60,6 +60,17 @@ class SizedModel(Model, Protocol):
     """
 
     def item_size(self, item: Any) -> int: ...
+
+
+def item_sizer(model: Model) -> Callable[[Any], int] | None:
+    """The model's ``item_size`` if it reports sizes (a SizedModel), else None.
+
+    What ``isinstance(model, SizedModel)`` answers, for the request path: a
+    check against a runtime-checkable Protocol walks the Protocol's members on
+    every call, microseconds each on Python 3.11.
+    """
+    size = getattr(model, "item_size", None)
+    return size if callable(size) else None
 
 
 def task_of(model: Model) -> str:

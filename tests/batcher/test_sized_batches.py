@@ -114,6 +114,28 @@ def test_a_request_split_across_sub_batches_gets_its_outputs_in_its_own_order() 
         batcher.stop(timeout=10)
 
 
+def test_a_nan_in_an_early_sub_batch_fails_its_request_though_its_last_call_is_finite() -> None:
+    class NanForOne(SizedPredict):
+        def __call__(self, batch: list[int]) -> np.ndarray:
+            rows = super().__call__(batch)
+            rows[[item == 1 for item in batch]] = np.nan
+            return rows
+
+    predict, recorder = NanForOne(), Recorder()
+    batcher = sized_batcher(predict, recorder, max_tokens=1 << 20, cost=cost(0.0, 1e-5))
+    # The 1 runs with the short items, the 90 alone after them: the last call is all finite.
+    split, short = batcher.submit([90, 1], FAR), batcher.submit([2], FAR)
+    batcher.start()
+    try:
+        assert recorder.done.wait(10), "the batch never ran"
+        assert len(predict.calls) > 1 and predict.calls[-1] == [90]
+        with pytest.raises(ModelError, match=r"non-finite value .* for input 1$"):
+            wait_result(split.future, 10)
+        np.testing.assert_array_equal(wait_result(short.future, 10), [[2, 4]])
+    finally:
+        batcher.stop(timeout=10)
+
+
 def test_one_bad_item_among_many_sizes_fails_only_its_own_request() -> None:
     requests = [[5], [40, -6], [6], [70], [3, 8]]
     predict, _, pendings, batcher = one_batch(requests)

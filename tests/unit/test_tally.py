@@ -86,6 +86,26 @@ def test_an_update_with_nothing_in_flight_is_written_at_once() -> None:
     assert registry.get_sample_value("refused_total") == 1
 
 
+def test_a_deferred_update_goes_with_the_next_flush_or_the_flusher() -> None:
+    registry = CollectorRegistry()
+    waits = Counter("waits_total", "w", registry=registry)
+    tally = Tally(every_s=3600)
+    tally.inc(waits)
+    tally.defer()  # the door's wait, just before its request enters
+    assert registry.get_sample_value("waits_total") == 0
+    tally.enter()  # the first one in flushes it
+    assert registry.get_sample_value("waits_total") == 1
+    tally.leave()
+    # With no request to follow it, the flusher writes it.
+    soon = Tally(every_s=0.02)
+    soon.inc(waits)
+    soon.defer()
+    deadline = time.monotonic() + 5
+    while registry.get_sample_value("waits_total") != 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert registry.get_sample_value("waits_total") == 2
+
+
 def test_of_a_gauges_values_the_last_one_recorded_is_written() -> None:
     registry = CollectorRegistry()
     depth = Gauge("depth", "d", registry=registry)

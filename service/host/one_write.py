@@ -1,0 +1,67 @@
+# design:
+# - gunicorn's Response.write sends the status line and headers with one
+#   sendall and the body with another: two system calls, two TCP segments and,
+#   in a threaded worker, two points where the request thread lets go of the
+#   GIL and must queue for it again. Most answers here are one small JSON body,
+#   so the headers can wait for it and go in the same sendall.
+# - Only the first write of a response that is not chunked is joined; anything
+#   else (chunked bodies, files, HEAD, a body cut to Content-Length) takes
+#   gunicorn's own path, and headers held back are written whatever the write
+#   did, so no response can lose them.
+# - gunicorn builds its Response itself (gunicorn.http.wsgi.create); the WSGI
+#   wrapper in front of the app (service.host.worker.StampedApp) gets it as the
+#   owner of start_response and switches its class to the subclass below. Any
+#   other start_response (a test client, another server) is left as it is.
+"""Send a response's headers and its first body bytes in one system call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gunicorn import util
+from gunicorn.http.wsgi import Response
+
+
+class OneWriteResponse(Response):  # type: ignore[misc]  # gunicorn ships no type hints
+    """gunicorn's Response, with the headers held back to go out with the first body bytes."""
+
+    _holding = False
+    _held: bytes | None = None
+    headers_sent: bool  # gunicorn's
+    chunked: bool  # gunicorn's
+
+    def write(self, arg: Any) -> None:
+        if self.headers_sent or self.chunked or not isinstance(arg, bytes) or not arg:
+            super().write(arg)
+            return
+        self._holding = True
+        try:
+            super().write(arg)
+        finally:
+            self._holding = False
+            held, self._held = self._held, None
+            if held is not None:  # the write sent no body (HEAD, a body cut to nothing)
+                util.write(self.sock, held)
+
+    def send_headers(self) -> None:
+        if not self._holding or self.headers_sent:
+            super().send_headers()
+            return
+        tosend = self.default_headers()
+        tosend.extend(["%s: %s\r\n" % (k, v) for k, v in self.headers])  # noqa: UP031 - as gunicorn writes them
+        self._held = ("%s\r\n" % "".join(tosend)).encode("latin-1")  # noqa: UP031
+        self.headers_sent = True
+
+    def _emit_body(self, data: bytes) -> None:
+        held, self._held = self._held, None
+        if held is None:
+            super()._emit_body(data)
+        else:
+            self.sock.sendall(held + data)
+
+
+def one_write(start_response: Any) -> None:
+    """Make the gunicorn Response behind ``start_response`` send its headers with its first body bytes."""
+    owner = getattr(start_response, "__self__", None)
+    if type(owner) is Response:
+        owner.__class__ = OneWriteResponse
