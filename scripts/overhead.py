@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from scripts.launcher import LaunchError, free_port, serve, stop  # noqa: E402
 from scripts.loadgen import run_load  # noqa: E402
-from scripts.procs import children, tree_cpu_seconds  # noqa: E402
+from scripts.procs import children, cpu_split_seconds, voluntary_switches  # noqa: E402
 
 CORPUS = ROOT / "scripts" / "corpus" / "mixed.txt"
 FREE_MODEL = "scripts.free_model:create"
@@ -98,6 +98,16 @@ class Run:
     seconds: float
     cpu_s: float
     p50_ms: float
+    sys_s: float = 0.0  # of cpu_s, in the kernel
+    switches: int = 0  # voluntary context switches of the workers' threads
+
+    @property
+    def sys_share(self) -> float:
+        return self.sys_s / self.cpu_s if self.cpu_s else 0.0
+
+    @property
+    def switches_per_request(self) -> float:
+        return self.switches / max(1, self.requests)
 
     @property
     def rps(self) -> float:
@@ -138,7 +148,8 @@ def main() -> int:
             runs.setdefault(name, []).append(run)
             print(
                 f"round {round_ + 1}: {name:<11} {run.rps:8.0f} req/s  "
-                f"{run.cpu_ms_per_request:6.3f} ms CPU/request  p50 {run.p50_ms:6.2f} ms  "
+                f"{run.cpu_ms_per_request:6.3f} ms CPU/request ({run.sys_share:4.0%} system, "
+                f"{run.switches_per_request:4.1f} switches)  p50 {run.p50_ms:6.2f} ms  "
                 f"errors {run.errors}",
                 flush=True,
             )
@@ -243,10 +254,22 @@ def wait_answers(url: str, process: subprocess.Popen[bytes], log: object, timeou
 
 def measure(name: str, url: str, pid: int, bodies: list[bytes], args: argparse.Namespace) -> Run:
     run_load(url, bodies, args.clients, WARM_UP_S)  # connections, caches, the batch thread's first batches
-    before = tree_cpu_seconds(pid)
+    before = tree_counts(pid)
     result = run_load(url, bodies, args.clients, args.seconds)
-    cpu = tree_cpu_seconds(pid) - before
-    return Run(name, result.requests, result.errors, result.seconds, cpu, result.p50_ms)
+    user, system, switches = (after - first for after, first in zip(tree_counts(pid), before, strict=True))
+    requests, cpu = result.requests, user + system
+    return Run(name, requests, result.errors, result.seconds, cpu, result.p50_ms, system, int(switches))
+
+
+def tree_counts(pid: int) -> tuple[float, float, float]:
+    """User CPU, system CPU and voluntary context switches of gunicorn's master and workers so far."""
+    processes = [pid, *children(pid)]
+    splits = [cpu_split_seconds(p) for p in processes]
+    return (
+        sum(user for user, _ in splits),
+        sum(system for _, system in splits),
+        float(sum(voluntary_switches(p) for p in processes)),
+    )
 
 
 @dataclass(frozen=True)
@@ -320,16 +343,19 @@ def table(runs: dict[str, list[Run]], routes: list[str]) -> str:
     bare_cpu = statistics.median(r.cpu_ms_per_request for r in runs[BARE])
     bare_rps = statistics.median(r.rps for r in runs[BARE])
     lines = [
-        "| server | CPU per request (ms) | req/s | CPU vs bare | req/s vs bare |",
-        "| --- | ---: | ---: | ---: | ---: |",
-        f"| {BARE} | {bare_cpu:.3f} | {bare_rps:,.0f} | 1.00x | 1.00x |",
+        "| server | CPU per request (ms) | of it, system | switches per request | req/s "
+        "| CPU vs bare | req/s vs bare |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for name in routes:
-        path = ROUTES[name][0]
+    for name in [BARE, *routes]:
+        label = BARE if name == BARE else f"service `{ROUTES[name][0]}`"
         cpu = statistics.median(r.cpu_ms_per_request for r in runs[name])
+        system = statistics.median(r.sys_share for r in runs[name])
+        switches = statistics.median(r.switches_per_request for r in runs[name])
         rps = statistics.median(r.rps for r in runs[name])
         lines.append(
-            f"| service `{path}` | {cpu:.3f} | {rps:,.0f} | {cpu / bare_cpu:.2f}x | {rps / bare_rps:.2f}x |"
+            f"| {label} | {cpu:.3f} | {system:.0%} | {switches:.1f} | {rps:,.0f} "
+            f"| {cpu / bare_cpu:.2f}x | {rps / bare_rps:.2f}x |"
         )
     return "\n".join(lines)
 

@@ -47,6 +47,36 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
+def cpu_split_seconds(pid: int) -> tuple[float, float]:
+    """User and system CPU a process has used: (0, 0) once it has exited."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0, 0.0
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return int(fields[11]) / _CLOCK_TICKS, int(fields[12]) / _CLOCK_TICKS
+
+
+def voluntary_switches(pid: int) -> int:
+    """Times any thread of a process gave up its CPU to wait (a lock, the GIL, a socket) so far.
+
+    Summed over the threads alive now: one that has exited takes its count with it.
+    """
+    total = 0
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return 0
+    for task in tasks:
+        try:
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue  # the thread exited meanwhile
+    return total
+
+
 def tree_cpu_seconds(pid: int) -> float:
     """CPU a process and its children (gunicorn's master and workers) have used so far."""
     return sum(cpu_seconds(p) or 0.0 for p in [pid, *children(pid)])

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+
 import numpy as np
 
 from scripts import bare_flask, free_model
-from scripts.overhead import PARTS, Profile, count_parts, part_of
+from scripts.overhead import BARE, PARTS, Profile, Run, count_parts, part_of, table
+from scripts.procs import cpu_split_seconds, voluntary_switches
 
 
 def test_the_free_model_answers_each_text_with_the_same_floats() -> None:
@@ -50,3 +55,31 @@ def test_samples_become_time_per_request_for_the_sampled_worker() -> None:
     samples = count_parts(["thread (1): T;Flask.wsgi_app (flask/app.py:1) 200"])
     profile = Profile(samples, seconds=10, requests=4000, workers=2)
     assert profile.us_per_request("Flask and werkzeug") == 500
+
+
+def test_the_table_gives_each_server_its_cpu_system_share_switches_and_ratios() -> None:
+    runs = {
+        BARE: [Run(BARE, 1000, 0, 1.0, 0.2, 5.0, sys_s=0.05, switches=2000)],
+        "batched": [
+            Run("batched", 500, 0, 1.0, 0.2, 9.0, sys_s=0.08, switches=3500),
+            Run("batched", 500, 0, 1.0, 0.3, 9.0, sys_s=0.09, switches=3000),
+        ],
+    }
+    lines = table(runs, ["batched"]).splitlines()
+    assert lines[2] == "| bare Flask | 0.200 | 25% | 2.0 | 1,000 | 1.00x | 1.00x |"
+    # Medians of the two rounds: 0.5 ms a request, 35% in the kernel, 6.5 switches a request.
+    assert lines[3] == "| service `/predict/batched` | 0.500 | 35% | 6.5 | 500 | 2.50x | 0.50x |"
+
+
+def test_a_process_reports_its_cpu_split_and_its_threads_switches() -> None:
+    pid = os.getpid()
+    before = voluntary_switches(pid)
+    waiter = threading.Thread(target=time.sleep, args=(0.05,))
+    waiter.start()
+    waiter.join()  # this thread waits for it: at least one voluntary switch
+    time.sleep(0.01)
+    user, system = cpu_split_seconds(pid)
+    assert user > 0 and system >= 0
+    assert voluntary_switches(pid) > before
+    assert cpu_split_seconds(2**22 + 12345) == (0.0, 0.0)  # no such process
+    assert voluntary_switches(2**22 + 12345) == 0
