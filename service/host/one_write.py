@@ -4,6 +4,9 @@
 #   in a threaded worker, two points where the request thread lets go of the
 #   GIL and must queue for it again. Most answers here are one small JSON body,
 #   so the headers can wait for it and go in the same sendall.
+# - Only a first write of at most JOIN_MAX_BYTES is joined: joining copies the
+#   body once, which is nothing beside a system call for a small JSON answer and
+#   is not worth it for a large one.
 # - Only the first write of a response that is not chunked is joined; anything
 #   else (chunked bodies, files, HEAD, a body cut to Content-Length) takes
 #   gunicorn's own path, and headers held back are written whatever the write
@@ -21,6 +24,12 @@ from typing import Any
 from gunicorn import util
 from gunicorn.http.wsgi import Response
 
+# A JSON answer of a dozen embeddings; past this the headers go on their own.
+JOIN_MAX_BYTES = 64 << 10
+# The hook that frames body bytes (gunicorn 27): without it a held header could
+# follow the body, so a gunicorn that lacks it keeps its own two writes.
+_CAN_HOLD = callable(getattr(Response, "_emit_body", None))
+
 
 class OneWriteResponse(Response):  # type: ignore[misc]  # gunicorn ships no type hints
     """gunicorn's Response, with the headers held back to go out with the first body bytes."""
@@ -31,7 +40,12 @@ class OneWriteResponse(Response):  # type: ignore[misc]  # gunicorn ships no typ
     chunked: bool  # gunicorn's
 
     def write(self, arg: Any) -> None:
-        if self.headers_sent or self.chunked or not isinstance(arg, bytes) or not arg:
+        if (
+            self.headers_sent
+            or self.chunked
+            or not isinstance(arg, bytes)
+            or not 0 < len(arg) <= JOIN_MAX_BYTES
+        ):
             super().write(arg)
             return
         self._holding = True
@@ -63,5 +77,5 @@ class OneWriteResponse(Response):  # type: ignore[misc]  # gunicorn ships no typ
 def one_write(start_response: Any) -> None:
     """Make the gunicorn Response behind ``start_response`` send its headers with its first body bytes."""
     owner = getattr(start_response, "__self__", None)
-    if type(owner) is Response:
+    if _CAN_HOLD and type(owner) is Response:
         owner.__class__ = OneWriteResponse

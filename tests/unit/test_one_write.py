@@ -11,7 +11,7 @@ from gunicorn.config import Config
 from gunicorn.http import wsgi
 from gunicorn.http.parser import RequestParser
 
-from service.host.one_write import OneWriteResponse, one_write
+from service.host.one_write import JOIN_MAX_BYTES, OneWriteResponse, one_write
 
 Pair = tuple[socket.socket, socket.socket]
 
@@ -91,6 +91,15 @@ def test_a_body_in_parts_sends_the_first_with_the_headers_and_the_rest_after(
     assert received.endswith(b"\r\n\r\nhelloworld")
 
 
+def test_a_large_body_goes_after_its_headers_rather_than_be_copied(pair: Pair) -> None:
+    body = b"x" * (JOIN_MAX_BYTES + 1)
+    sock, received = respond(
+        pair, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", [("Content-Length", str(len(body)))], [body]
+    )
+    assert len(sock.sent) == 2 and sock.sent[0].endswith(b"\r\n\r\n") and sock.sent[1] == body
+    assert received.endswith(b"\r\n\r\n" + body)
+
+
 def test_a_head_request_gets_its_headers_and_no_body(pair: Pair) -> None:
     sock, received = respond(
         pair, b"HEAD / HTTP/1.1\r\nHost: x\r\n\r\n", [("Content-Length", "5")], [b"hello"]
@@ -129,3 +138,16 @@ def test_a_start_response_not_of_gunicorn_is_left_alone() -> None:
     one_write(other.start_response)  # a test client's or another server's: nothing to switch
     one_write(lambda status, headers: None)
     assert type(other) is OtherServersResponse
+
+
+def test_a_gunicorn_without_the_body_hook_keeps_its_own_two_writes(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("service.host.one_write._CAN_HOLD", False)
+    server, client = pair
+    client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    cfg = Config()
+    req = next(iter(RequestParser(cfg, server, ("127.0.0.1", 5000))))
+    resp, _ = wsgi.create(req, server, ("127.0.0.1", 5000), ("127.0.0.1", 8000), cfg)
+    one_write(resp.start_response)
+    assert type(resp) is wsgi.Response
