@@ -13,7 +13,9 @@ threads: it parses the same JSON bodies with orjson and returns the same floats.
 wrk drives each with the same closed-loop clients (one text of
 scripts/corpus/mixed.txt per request, cycling); CPU per request is the CPU of the
 whole gunicorn process tree over the run (utime + stime from /proc, master and
-workers) divided by the requests answered. Each round measures the bare handler
+workers) divided by the requests answered; beside it, the share of that CPU spent in the
+kernel and the voluntary context switches of the workers' threads per request (each time
+one waited: for the GIL, a lock, a socket), also from /proc. Each round measures the bare handler
 and then every route of the service, each in a gunicorn of its own started for it;
 the table gives medians over the rounds and the ratios against the bare handler.
 Both servers run with SERVE_*/gunicorn defaults otherwise: the service's access
