@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import threading
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -72,14 +72,22 @@ def test_the_table_gives_each_server_its_cpu_system_share_switches_and_ratios() 
 
 
 def test_a_process_reports_its_cpu_split_and_its_threads_switches() -> None:
-    pid = os.getpid()
-    before = voluntary_switches(pid)
-    waiter = threading.Thread(target=time.sleep, args=(0.05,))
-    waiter.start()
-    waiter.join()  # this thread waits for it: at least one voluntary switch
-    time.sleep(0.01)
-    user, system = cpu_split_seconds(pid)
-    assert user > 0 and system >= 0
-    assert voluntary_switches(pid) > before
-    assert cpu_split_seconds(2**22 + 12345) == (0.0, 0.0)  # no such process
-    assert voluntary_switches(2**22 + 12345) == 0
+    # A process of one thread that spins for 0.2 s, then sleeps 20 times: each sleep is a
+    # voluntary switch, and no thread of it exits (whose count would leave the total with it).
+    program = (
+        "import time\nstart = time.monotonic()\nwhile time.monotonic() - start < 0.2: pass\n"
+        "for _ in range(20): time.sleep(0.005)\ntime.sleep(30)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", program])
+    try:
+        deadline = time.monotonic() + 10
+        while voluntary_switches(child.pid) < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert voluntary_switches(child.pid) >= 20
+        user, system = cpu_split_seconds(child.pid)
+        assert user > 0 and system >= 0  # its spin, counted in clock ticks of 10 ms
+    finally:
+        child.kill()
+        child.wait()
+    assert cpu_split_seconds(child.pid) == (0.0, 0.0)  # gone
+    assert voluntary_switches(child.pid) == 0
