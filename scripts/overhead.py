@@ -256,21 +256,30 @@ def wait_answers(url: str, process: subprocess.Popen[bytes], log: object, timeou
 
 def measure(name: str, url: str, pid: int, bodies: list[bytes], args: argparse.Namespace) -> Run:
     run_load(url, bodies, args.clients, WARM_UP_S)  # connections, caches, the batch thread's first batches
-    before = tree_counts(pid)
+    user0, system0, switches0 = tree_counts(pid)
     result = run_load(url, bodies, args.clients, args.seconds)
-    user, system, switches = (after - first for after, first in zip(tree_counts(pid), before, strict=True))
-    requests, cpu = result.requests, user + system
-    return Run(name, requests, result.errors, result.seconds, cpu, result.p50_ms, system, int(switches))
+    user1, system1, switches1 = tree_counts(pid)
+    user, system = user1 - user0, system1 - system0
+    return Run(
+        name,
+        result.requests,
+        result.errors,
+        result.seconds,
+        user + system,
+        result.p50_ms,
+        system,
+        switches1 - switches0,
+    )
 
 
-def tree_counts(pid: int) -> tuple[float, float, float]:
+def tree_counts(pid: int) -> tuple[float, float, int]:
     """User CPU, system CPU and voluntary context switches of gunicorn's master and workers so far."""
     processes = [pid, *children(pid)]
     splits = [cpu_split_seconds(p) for p in processes]
     return (
         sum(user for user, _ in splits),
         sum(system for _, system in splits),
-        float(sum(voluntary_switches(p) for p in processes)),
+        sum(voluntary_switches(p) for p in processes),
     )
 
 

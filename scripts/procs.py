@@ -36,23 +36,13 @@ def rss_bytes(pid: int) -> int | None:
     return None
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User plus system CPU a process has used, or None once it has exited."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # After the parenthesised command name: state, ppid, ... utime and stime are the 12th and 13th.
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
-
-
 def cpu_split_seconds(pid: int) -> tuple[float, float]:
     """User and system CPU a process has used: (0, 0) once it has exited."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return 0.0, 0.0
+    # After the parenthesised command name: state, ppid, ... utime and stime are the 12th and 13th.
     fields = stat[stat.rindex(")") + 2 :].split()
     return int(fields[11]) / _CLOCK_TICKS, int(fields[12]) / _CLOCK_TICKS
 
@@ -75,8 +65,3 @@ def voluntary_switches(pid: int) -> int:
         except OSError:
             continue  # the thread exited meanwhile
     return total
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU a process and its children (gunicorn's master and workers) have used so far."""
-    return sum(cpu_seconds(p) or 0.0 for p in [pid, *children(pid)])
