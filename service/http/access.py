@@ -1,10 +1,17 @@
-"""Request ids, request metrics and the access log line, as Flask request hooks.
+"""Request ids, request metrics and the access log line, around the Flask app.
 
 Every response carries ``X-Request-ID``: the one the client (or a proxy in
 front) sent when it is sane, else a new one, so a client's report, the proxy's
 log and this service's log name the same request. Each request writes one
 access line to the ``service.access`` logger: request id, method, path, route,
 status, latency and the size of the batch it ran in.
+
+This is WSGI middleware rather than Flask request hooks: a hook costs Flask's
+dispatch and each of its reads a context-local lookup, which on a free model
+added up to a seventh of a request's Python time, and every extra microsecond
+a request holds the GIL, 72 request threads pay again queueing for it. What
+only Flask knows reaches it through the environ: the matched rule
+(``RoutedRequest``) and the batch size (``note_batch_size``).
 """
 
 from __future__ import annotations
@@ -13,15 +20,21 @@ import logging
 import random
 import re
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from flask import Flask, Response, g, request
+from flask import Request, request
+from werkzeug.routing import Rule
 
 from service.http.arrival import ARRIVAL_ENVIRON_KEY
 from service.logs import ACCESS_LOGGER
 from service.metrics import UNMATCHED_ROUTE, Metrics
 
 REQUEST_ID_HEADER = "X-Request-ID"
+# Where the middleware leaves what the app and the line share.
+REQUEST_ID_ENVIRON_KEY = "serve.request_id"
+RULE_ENVIRON_KEY = "serve.rule"
+BATCH_SIZE_ENVIRON_KEY = "serve.batch_size"
 
 # Bounded and plain, so a client cannot forge log lines or bloat every line
 # it is written to; this covers UUIDs, nginx's $request_id and trace ids.
@@ -34,6 +47,8 @@ ACCESS_LINE = (
     '%(remote)s "%(method)s %(path)s" %(status)d %(duration_ms).2f ms '
     "route=%(route)s batch_size=%(batch_size)s request_id=%(request_id)s"
 )
+
+WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
 def request_id(given: str | None) -> str:
@@ -49,67 +64,104 @@ def request_id(given: str | None) -> str:
     return f"{random.getrandbits(128):032x}"
 
 
-def route_label() -> str:
-    """The matched URL rule (``/predict/batched``), never the raw path: bounded cardinality."""
-    rule = request.url_rule
-    return rule.rule if rule is not None else UNMATCHED_ROUTE
+def current_request_id() -> str | None:
+    """The id of the request being handled (within a Flask request)."""
+    rid: str | None = request.environ.get(REQUEST_ID_ENVIRON_KEY)
+    return rid
 
 
-def init_app(app: Flask, metrics: Metrics) -> None:
-    """Register the hooks. Call before any blueprint that has its own before-request hooks.
+def note_batch_size(size: int) -> None:
+    """Within a Flask request: the items in the batch it ran in, for its access line."""
+    request.environ[BATCH_SIZE_ENVIRON_KEY] = size
 
-    Hooks run in the order they were registered, and one that raises (a 401
-    from the token check) skips those after it: registered first, these see
-    every request.
+
+class RoutedRequest(Request):
+    """Flask's request, which also leaves the rule it matched in the environ.
+
+    Flask pops the request before the middleware sees the answer; the environ
+    outlives it. The rule is the route's label (``/predict/batched``), never the
+    raw path: bounded cardinality.
     """
 
-    @app.before_request
-    def begin() -> None:
-        g.request_id = request_id(request.headers.get(REQUEST_ID_HEADER))
+    @property
+    def url_rule(self) -> Rule | None:
+        rule: Rule | None = self.environ.get(RULE_ENVIRON_KEY)
+        return rule
+
+    @url_rule.setter
+    def url_rule(self, rule: Rule | None) -> None:
+        self.environ[RULE_ENVIRON_KEY] = rule
+
+
+class Access:
+    """Around the Flask app: request id, in-flight count, request metrics and the access line.
+
+    Inside the door (service.http.door), which answers its own refusals. Every
+    answer the app gives passes here, a 401 from the token check or a 404
+    included.
+    """
+
+    def __init__(self, app: WsgiApp, metrics: Metrics) -> None:
+        self._app = app
+        self._metrics = metrics
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        rid = environ[REQUEST_ID_ENVIRON_KEY] = request_id(environ.get("HTTP_X_REQUEST_ID"))
         # From the request's arrival where the door settled it (service.http.door):
         # the wait for a thread is part of what the client waits.
-        arrived = request.environ.get(ARRIVAL_ENVIRON_KEY)
-        g.started = arrived if isinstance(arrived, float) else time.monotonic()
+        arrived = environ.get(ARRIVAL_ENVIRON_KEY)
+        started = arrived if isinstance(arrived, float) else time.monotonic()
+        status = ""
+
+        def start(given: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            nonlocal status
+            status = given
+            headers.append((REQUEST_ID_HEADER, rid))
+            return start_response(given, headers, exc_info)
+
+        metrics = self._metrics
         metrics.request_started()
-        g.counted_in_flight = True
-
-    @app.after_request
-    def finish(response: Response) -> Response:
-        started = g.get("started")
-        seconds = time.monotonic() - started if started is not None else 0.0
-        rid = g.get("request_id") or request_id(None)
-        response.headers[REQUEST_ID_HEADER] = rid
-        route = route_label()
-        metrics.observe_request(route, response.status_code, seconds)
-        if access_log.isEnabledFor(logging.INFO):
-            _write_access_line(rid, route, response.status_code, seconds)
-        return response
-
-    @app.teardown_request
-    def end(exc: BaseException | None) -> None:
-        # Teardown runs even when a response could not be made.
-        if g.pop("counted_in_flight", False):
+        try:
+            answer = self._app(environ, start)
+            seconds = time.monotonic() - started
+            rule = environ.get(RULE_ENVIRON_KEY)
+            route = rule.rule if rule is not None else UNMATCHED_ROUTE
+            code = int(status[:3]) if status[:3].isdigit() else 500
+            metrics.observe_request(route, code, seconds)
+            if access_log.isEnabledFor(logging.INFO):
+                _write_access_line(environ, rid, route, code, seconds)
+        finally:
             metrics.request_finished()
+        return answer
 
 
-def _write_access_line(rid: str, route: str, status: int, seconds: float) -> None:
+def _write_access_line(environ: dict[str, Any], rid: str, route: str, status: int, seconds: float) -> None:
+    batch_size = environ.get(BATCH_SIZE_ENVIRON_KEY)
     fields: dict[str, Any] = {
         "request_id": rid,
-        "remote": request.remote_addr,
-        "method": request.method,
-        "path": _printable(request.path),
+        "remote": environ.get("REMOTE_ADDR"),
+        "method": environ.get("REQUEST_METHOD", "GET"),
+        "path": _printable(_path(environ)),
         "route": route,
         "status": status,
         "duration_ms": round(seconds * 1000, 3),
-        "batch_size": g.get("batch_size"),
+        "batch_size": batch_size,
     }
-    text = {**fields, "batch_size": "-" if fields["batch_size"] is None else fields["batch_size"]}
+    text = {**fields, "batch_size": "-" if batch_size is None else batch_size}
     # Made here rather than by access_log.info, which walks the stack for the
     # caller's file and line on every request: the line never shows them.
     record = access_log.makeRecord(
         ACCESS_LOGGER, logging.INFO, __file__, 0, ACCESS_LINE, (text,), None, extra={"fields": fields}
     )
     access_log.handle(record)
+
+
+def _path(environ: dict[str, Any]) -> str:
+    """The path as werkzeug's ``request.path`` gives it: WSGI's latin-1 string read back as UTF-8."""
+    path: str = environ.get("PATH_INFO") or ""
+    if not path.isascii():
+        path = path.encode("latin-1", "replace").decode("utf-8", "replace")
+    return "/" + path.lstrip("/")
 
 
 def _printable(path: str) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from flask import Flask, Response, g, request
+from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from service.errors import Overloaded, ServeError, Unauthorized
@@ -33,8 +33,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes + 1
     metrics = Metrics(settings)
     metrics.init_app(app)
-    # Before the blueprint, whose token check may refuse a request: see access.init_app.
-    access.init_app(app, metrics)
+    # The route a request matched reaches the access middleware through its environ.
+    app.request_class = access.RoutedRequest
     app.register_blueprint(bp)
     # The standard protocols, each a thin translation to the same batched path.
     app.register_blueprint(v2.bp)
@@ -43,8 +43,10 @@ def create_app(settings: Settings | None = None) -> Flask:
     _register_error_handlers(app, settings, metrics)
     runtime = ModelRuntime(settings, observer=metrics)
     runtime.init_app(app)
-    # Outside Flask, so that a request refused for the latency budget costs no more than it must.
-    app.wsgi_app = Door(app.wsgi_app, runtime, metrics)  # type: ignore[method-assign]
+    # Outside Flask: every answer the app gives gets its id, metrics and line
+    # (service.http.access), and a request refused for the latency budget costs
+    # no more than it must (the door answers it before any of that).
+    app.wsgi_app = Door(access.Access(app.wsgi_app, metrics), runtime, metrics)  # type: ignore[method-assign]
     runtime.start()
     return app
 
@@ -81,5 +83,5 @@ def _register_error_handlers(app: Flask, settings: Settings, metrics: Metrics) -
 
     @app.errorhandler(Exception)
     def unexpected(exc: Exception) -> Response:
-        log.exception("unhandled error in request %s", g.get("request_id"))
+        log.exception("unhandled error in request %s", access.current_request_id())
         return error_response(500, "internal server error; see the service log")

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from flask import Response, current_app, g, request
+from flask import Response, current_app, request
 from werkzeug.exceptions import HTTPException
 
 from service.batching.waiting import wait_result
 from service.errors import BadRequest, PayloadTooLarge
+from service.http.access import note_batch_size
 from service.http.arrival import ARRIVAL_ENVIRON_KEY, LET_IN, RETURNING_ENVIRON_KEY
 from service.models import Model
 from service.models.base import Outputs
@@ -111,7 +112,7 @@ def run_batched(parse: Parser) -> Batched:
         returning = request.environ.get(RETURNING_ENVIRON_KEY) == LET_IN
         pending = batcher.submit(items, until, arrived, returning)
         outputs = wait_result(pending.future, until - time.monotonic())
-    g.batch_size = pending.batch_size
+    note_batch_size(pending.batch_size)
     return Batched(model, outputs, pending.batch_size)
 
 
@@ -121,7 +122,7 @@ def run_naive(parse: Parser) -> Batched:
     model, _ = rt.require_ready()
     items = parse(read_body(), model)
     outputs = rt.predict_naive(items)
-    g.batch_size = len(items)
+    note_batch_size(len(items))
     return Batched(model, outputs, len(items))
 
 

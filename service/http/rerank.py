@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from flask import Blueprint, Response, g, request
+from flask import Blueprint, Response, request
 
 from service.errors import ModelError, ServeError
+from service.http.access import current_request_id
 from service.http.inference import Batched, json_response, run_batched, run_naive, runtime, with_batch_size
 from service.http.payload import load_json, prepare_items, require_json
 from service.models import Model
@@ -174,7 +175,7 @@ def render(done: Batched, asked: RerankRequest, version: int) -> dict[str, Any]:
     size = item_sizer(done.model)
     tokens = sum(size(item) for item in asked.items) if size is not None else 0
     return {
-        "id": g.get("request_id") or uuid.uuid4().hex,
+        "id": current_request_id() or uuid.uuid4().hex,
         "results": results,
         "meta": {"api_version": {"version": str(version)}, "tokens": {"input_tokens": tokens}},
     }

@@ -30,7 +30,7 @@ def test_the_bare_app_answers_as_the_service_does() -> None:
 
 def test_a_sample_goes_to_the_innermost_part_it_passed_through() -> None:
     flask = "Flask.wsgi_app (flask/app.py:1479)"
-    finish = "init_app.<locals>.finish (service/http/access.py:70)"
+    finish = "_write_access_line (service/http/access.py:135)"
     inc = "MmapedValue.inc (prometheus_client/values.py:114)"
     assert part_of(["_worker (concurrent/futures/thread.py:83)", flask, finish, inc]) == PARTS[0][0]
     assert part_of(["_worker (concurrent/futures/thread.py:83)", flask, finish]) == "access line (logging)"
