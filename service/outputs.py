@@ -50,10 +50,16 @@ def first_non_finite(outputs: Outputs) -> int | None:
         # One reduction answers the common case: a NaN or infinity anywhere makes
         # the sum non-finite. A finite sum proves all are finite; a sum that only
         # overflowed falls through to the exact search below.
-        with np.errstate(over="ignore"):  # an overflowing sum is expected here, and checked below
-            total = outputs.sum()
-        if np.isfinite(total):  # numpy's, not math's: the sum of a complex array is complex
-            return None
+        if outputs.dtype.kind == "f" and outputs.dtype.itemsize <= 4:
+            # float16 and float32 summed in float64 cannot overflow: no error
+            # state to set up, which costs as much as the sum itself.
+            if math.isfinite(outputs.sum(dtype=np.float64)):
+                return None
+        else:
+            with np.errstate(over="ignore"):  # an overflowing sum is expected here, and checked below
+                total = outputs.sum()
+            if np.isfinite(total):  # numpy's, not math's: the sum of a complex array is complex
+                return None
         finite = np.isfinite(outputs.reshape(len(outputs), -1)).all(axis=1)
         return None if finite.all() else int(np.argmin(finite))
     for index, output in enumerate(outputs):

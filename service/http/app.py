@@ -11,7 +11,7 @@ from service.errors import Overloaded, ServeError, Unauthorized
 from service.http import access, openai_api, rerank, v2
 from service.http.arrival import ask_to_hold
 from service.http.door import Door
-from service.http.routes import bp
+from service.http.routes import bp, require_token
 from service.http.shapes import error_response
 from service.metrics import Metrics
 from service.runtime import ModelRuntime
@@ -36,6 +36,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     # The route a request matched reaches the access middleware through its environ.
     app.request_class = access.RoutedRequest
     app.register_blueprint(bp)
+    require_token(app, settings.api_token)
     # The standard protocols, each a thin translation to the same batched path.
     app.register_blueprint(v2.bp)
     app.register_blueprint(rerank.bp)

@@ -56,9 +56,8 @@ def is_inference_path(path: str) -> bool:
     )
 
 
-def deadline(started: float) -> float:
-    """The request's monotonic deadline: SERVE_REQUEST_TIMEOUT_MS, or less if the client asks."""
-    limit_ms = runtime().settings.request_timeout_ms
+def deadline(started: float, limit_ms: int) -> float:
+    """The request's monotonic deadline: ``limit_ms`` (SERVE_REQUEST_TIMEOUT_MS), or less if asked."""
     raw = request.headers.get(TIMEOUT_HEADER)
     if raw is not None:
         try:
@@ -71,8 +70,8 @@ def deadline(started: float) -> float:
     return started + limit_ms / 1000
 
 
-def read_body() -> bytes:
-    """The request body, refused when it is over SERVE_MAX_BODY_BYTES or its framing is broken."""
+def read_body(limit: int) -> bytes:
+    """The request body, refused when it is over ``limit`` (SERVE_MAX_BODY_BYTES) or its framing is broken."""
     try:
         body = request.get_data(cache=False)
     except HTTPException:
@@ -81,7 +80,6 @@ def read_body() -> bytes:
         # The server could not decode the body's framing (gunicorn raises its
         # InvalidChunkSize on a malformed chunked body): the client's fault, not ours.
         raise BadRequest(f"the request body could not be read ({type(exc).__name__})") from None
-    limit = runtime().settings.max_body_bytes
     if len(body) > limit:
         # A chunked body has no Content-Length to refuse up front; werkzeug stops
         # reading it one byte past the limit (MAX_CONTENT_LENGTH is limit + 1).
@@ -104,11 +102,11 @@ def run_batched(parse: Parser) -> Batched:
     arrived = request.environ.get(ARRIVAL_ENVIRON_KEY)
     if not isinstance(arrived, float):
         arrived = time.monotonic()
-    until = deadline(arrived)
     rt = runtime()
+    until = deadline(arrived, rt.settings.request_timeout_ms)
     model, batcher = rt.require_ready()
     with batcher.in_flight():
-        items = parse(read_body(), model)
+        items = parse(read_body(rt.settings.max_body_bytes), model)
         returning = request.environ.get(RETURNING_ENVIRON_KEY) == LET_IN
         pending = batcher.submit(items, until, arrived, returning)
         outputs = wait_result(pending.future, until - time.monotonic())
@@ -120,7 +118,7 @@ def run_naive(parse: Parser) -> Batched:
     """Parse this request's body and run its items in this thread (the comparison route)."""
     rt = runtime()
     model, _ = rt.require_ready()
-    items = parse(read_body(), model)
+    items = parse(read_body(rt.settings.max_body_bytes), model)
     outputs = rt.predict_naive(items)
     note_batch_size(len(items))
     return Batched(model, outputs, len(items))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hmac
 
-from flask import Blueprint, Response, request
+from flask import Blueprint, Flask, Response, request
 
 from service.errors import Unauthorized
 from service.http.inference import (
@@ -25,21 +25,32 @@ from service.http.inference import (
 from service.http.payload import parse_inputs, render_outputs
 from service.models import Model, describe
 
-__all__ = ["BATCH_SIZE_HEADER", "TIMEOUT_HEADER", "bp", "json_response"]
+__all__ = ["BATCH_SIZE_HEADER", "TIMEOUT_HEADER", "bp", "json_response", "require_token"]
 
 bp = Blueprint("serve", __name__)
 
 
-@bp.before_app_request
-def _authorize() -> None:
-    token = runtime().settings.api_token
-    if token is None or not is_inference_path(request.path):
+def require_token(app: Flask, token: str | None) -> None:
+    """Refuse (401) an inference request without ``Authorization: Bearer <token>``; no check without a token.
+
+    Registered only when SERVE_API_TOKEN is set: a request hook costs every
+    request Flask's dispatch, even one that returns at once.
+    """
+    if token is None:
         return
-    header = request.headers.get("Authorization", "")
-    scheme, _, given = header.partition(" ")
-    # compare_digest takes as long for a near miss as for a wild guess.
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-        raise Unauthorized("a valid bearer token is required: send Authorization: Bearer <SERVE_API_TOKEN>")
+    expected = token.encode()
+
+    @app.before_request
+    def _authorize() -> None:
+        if not is_inference_path(request.path):
+            return
+        header = request.headers.get("Authorization", "")
+        scheme, _, given = header.partition(" ")
+        # compare_digest takes as long for a near miss as for a wild guess.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+            raise Unauthorized(
+                "a valid bearer token is required: send Authorization: Bearer <SERVE_API_TOKEN>"
+            )
 
 
 def _parse(body: bytes, model: Model) -> list[object]:

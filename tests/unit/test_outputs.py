@@ -32,6 +32,8 @@ NAN, INF = math.nan, math.inf
         (np.array([[1.0], [NAN]], dtype=object), 1),  # an object array
         (np.array([1 + 1j, complex(1, NAN)]), 1),  # complex
         (np.array([[3e38, 3e38], [1.0, INF]], dtype=np.float32), 1),  # the sum overflows, then the search
+        (np.array([[1e308, 1e308], [1.0, NAN]]), 1),  # float64: likewise
+        (np.array([[1.0, 2.0], [INF, 1.0]], dtype=np.float16), 1),
     ],
 )
 def test_non_finite_values_are_found_in_every_kind_of_output(outputs: Any, bad: int) -> None:
@@ -54,6 +56,8 @@ def test_non_finite_values_are_found_in_every_kind_of_output(outputs: Any, bad: 
         [[]],
         np.array([1 + 2j, 3 - 4j]),
         np.full((2, 4), 3e38, dtype=np.float32),  # finite rows whose sum overflows
+        np.full((2, 4), 1e308),  # float64 too
+        np.full((2, 4), 6e4, dtype=np.float16),
     ],
 )
 def test_finite_outputs_pass(outputs: Any) -> None:
