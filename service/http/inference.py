@@ -5,9 +5,10 @@ and the outputs into its own response. Everything between runs here, once for
 all of them: the body limit, readiness, the deadline (SERVE_REQUEST_TIMEOUT_MS,
 lowered by X-Request-Timeout-Ms), validation of every item by the model
 (``service.http.payload.prepare_items``, called by each protocol's parser),
-the batcher's queue bound, and waiting for the batch. The bearer token, the
-access line and the request metrics come from the app's request hooks, which
-see every route (``service.http.access``, ``service.http.routes``).
+the batcher's queue bound, and waiting for the batch. The access line and the
+request metrics come from the middleware around the app, and the bearer token
+from a request hook; both see every route (``service.http.access``,
+``service.http.routes.require_token``).
 """
 
 from __future__ import annotations

@@ -5,12 +5,15 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 from scripts import bare_flask, free_model
-from scripts.overhead import BARE, PARTS, Profile, Run, count_parts, part_of, table
+from scripts.overhead import BARE, PARTS, ROUTES, Profile, Run, count_parts, part_of, table
 from scripts.procs import cpu_split_seconds, voluntary_switches
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "request_path.py"
 
 
 def test_the_free_model_answers_each_text_with_the_same_floats() -> None:
@@ -92,3 +95,21 @@ def test_a_process_reports_its_cpu_split_and_its_threads_switches() -> None:
         child.wait()
     assert cpu_split_seconds(child.pid) == (0.0, 0.0)  # gone
     assert voluntary_switches(child.pid) == 0
+
+
+def test_the_in_process_measure_prints_each_route_against_the_bare_app() -> None:
+    # scripts/request_path.py end to end, kept short: a real app on the free model,
+    # every route answered 200 (the script exits otherwise), a table with a ratio a route.
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--requests", "40", "--rounds", "1", "--profile", "--top", "5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert rows[0] == "| app | us a request | vs bare |"
+    assert rows[2].startswith("| bare Flask | ") and rows[2].endswith(" | 1.00x |")
+    assert [row.split(" | ")[0] for row in rows[3:]] == [f"| `{path}`" for path, _ in ROUTES.values()]
+    assert all(float(row.split(" | ")[2].rstrip("x |")) > 0 for row in rows[3:])
+    assert "function calls" in done.stdout  # the profile
