@@ -42,6 +42,7 @@ _SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}", re.ASCII)
 _MAX_LOGGED_PATH = 200
 
 access_log = logging.getLogger(ACCESS_LOGGER)
+log = logging.getLogger(__name__)
 
 ACCESS_LINE = (
     '%(remote)s "%(method)s %(path)s" %(status)d %(duration_ms).2f ms '
@@ -123,15 +124,23 @@ class Access:
         metrics.request_started()
         try:
             answer = self._app(environ, start)
-            seconds = time.monotonic() - started
-            rule = environ.get(RULE_ENVIRON_KEY)
-            route = rule.rule if rule is not None else UNMATCHED_ROUTE
-            code = int(status[:3]) if status[:3].isdigit() else 500
-            metrics.observe_request(route, code, seconds)
-            if access_log.isEnabledFor(logging.INFO):
-                _write_access_line(environ, rid, route, code, seconds)
+            try:
+                seconds = time.monotonic() - started
+                rule = environ.get(RULE_ENVIRON_KEY)
+                route = rule.rule if rule is not None else UNMATCHED_ROUTE
+                code = int(status[:3]) if status[:3].isdigit() else 500
+                metrics.observe_request(route, code, seconds)
+                if access_log.isEnabledFor(logging.INFO):
+                    _write_access_line(environ, rid, route, code, seconds)
+            except Exception:
+                # The answer is made: a fault in its metrics (a full disk under the
+                # metrics files) must not turn it into an error the client sees.
+                log.exception("recording request %s failed", rid)
         finally:
-            metrics.request_finished()
+            try:
+                metrics.request_finished()
+            except Exception:
+                log.exception("recording the end of request %s failed", rid)
         return answer
 
 
@@ -140,7 +149,7 @@ def _write_access_line(environ: dict[str, Any], rid: str, route: str, status: in
     fields: dict[str, Any] = {
         "request_id": rid,
         "remote": environ.get("REMOTE_ADDR"),
-        "method": environ.get("REQUEST_METHOD", "GET"),
+        "method": environ.get("REQUEST_METHOD", "GET").upper(),
         "path": _printable(_path(environ)),
         "route": route,
         "status": status,

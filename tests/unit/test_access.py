@@ -232,3 +232,21 @@ def test_a_blocked_log_stream_holds_a_bounded_number_of_lines_and_says_how_many_
     assert lines[0] == "first" and lines[-1] == "after"
     assert [line for line in lines if line.startswith("line ")] == [f"line {i}" for i in range(5)]
     assert any(line.startswith("45 access lines were dropped") for line in lines), lines
+
+
+def test_a_fault_recording_the_metrics_does_not_fail_the_answer(
+    client: FlaskClient, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # As a metrics file on a full disk would: the answer is made, and still goes out, with its id.
+    from service.metrics import EXTENSION as METRICS
+
+    metrics = client.application.extensions[METRICS]
+
+    def broken(*_: object) -> None:
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(metrics, "observe_request", broken)
+    monkeypatch.setattr(metrics, "request_finished", broken)
+    response = client.get("/healthz", headers={REQUEST_ID_HEADER: "disk-full-1"})
+    assert response.status_code == 200 and response.headers[REQUEST_ID_HEADER] == "disk-full-1"
+    assert "recording request disk-full-1 failed" in caplog.text
