@@ -25,6 +25,7 @@ from typing import Any
 
 from flask import Request, request
 from werkzeug.routing import Rule
+from werkzeug.wsgi import get_path_info
 
 from service.http.arrival import ARRIVAL_ENVIRON_KEY
 from service.logs import ACCESS_LOGGER
@@ -150,7 +151,7 @@ def _write_access_line(environ: dict[str, Any], rid: str, route: str, status: in
         "request_id": rid,
         "remote": environ.get("REMOTE_ADDR"),
         "method": environ.get("REQUEST_METHOD", "GET").upper(),
-        "path": _printable(_path(environ)),
+        "path": _printable("/" + get_path_info(environ).lstrip("/")),  # as request.path
         "route": route,
         "status": status,
         "duration_ms": round(seconds * 1000, 3),
@@ -163,14 +164,6 @@ def _write_access_line(environ: dict[str, Any], rid: str, route: str, status: in
         ACCESS_LOGGER, logging.INFO, __file__, 0, ACCESS_LINE, (text,), None, extra={"fields": fields}
     )
     access_log.handle(record)
-
-
-def _path(environ: dict[str, Any]) -> str:
-    """The path as werkzeug's ``request.path`` gives it: WSGI's latin-1 string read back as UTF-8."""
-    path: str = environ.get("PATH_INFO") or ""
-    if not path.isascii():
-        path = path.encode("latin-1", "replace").decode("utf-8", "replace")
-    return "/" + path.lstrip("/")
 
 
 def _printable(path: str) -> str:

@@ -43,7 +43,7 @@ import orjson
 
 from service.batching import native
 from service.errors import Overloaded
-from service.http.access import REQUEST_ID_HEADER, request_id
+from service.http.access import REQUEST_ID_HEADER, WsgiApp, request_id
 from service.http.arrival import (
     ARRIVAL_ENVIRON_KEY,
     LET_IN,
@@ -58,8 +58,6 @@ if TYPE_CHECKING:
     from service.runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
-
-WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 # path -> whether its requests queue in the batcher (and so wait for the work ahead).
 ADMITTED_ROUTES = {"/predict": True, "/predict/batched": True, "/predict/naive": False}

@@ -86,25 +86,23 @@ def test_one_access_line_per_request_with_id_route_status_latency_and_batch_size
     assert "\n" not in second.getMessage() and "batch_size=-" in second.getMessage()
 
 
-def test_the_line_shows_the_path_as_the_client_sent_it_decoded(
-    client: FlaskClient, caplog: pytest.LogCaptureFixture
-) -> None:
-    # The middleware reads the raw WSGI path (latin-1 by the WSGI rules), as werkzeug would decode it.
-    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
-    client.get("/caf%C3%A9/na%C3%AFve")
-    (record,) = [r for r in caplog.records if r.name == ACCESS_LOGGER]
-    assert record.fields["path"] == "/café/naïve"  # type: ignore[attr-defined]
-    assert (record.fields["route"], record.fields["status"]) == ("unmatched", 404)  # type: ignore[attr-defined]
-
-
-def test_a_route_with_a_variable_is_labelled_by_its_rule(
-    client: FlaskClient, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(
+    ("sent", "path", "route", "status"),
+    [
+        # The raw WSGI path (latin-1 by the WSGI rules), decoded as werkzeug decodes it.
+        ("/caf%C3%A9/na%C3%AFve", "/café/naïve", "unmatched", 404),
+        # A route with a variable is labelled by its rule, the path logged as sent.
+        ("/v2/models/mlp", "/v2/models/mlp", "/v2/models/<name>", 200),
+    ],
+)
+def test_the_line_shows_the_decoded_path_and_the_rule_it_matched(
+    client: FlaskClient, caplog: pytest.LogCaptureFixture, sent: str, path: str, route: str, status: int
 ) -> None:
     caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
-    client.get("/v2/models/mlp")
+    client.get(sent)
     (record,) = [r for r in caplog.records if r.name == ACCESS_LOGGER]
-    assert record.fields["route"] == "/v2/models/<name>"  # type: ignore[attr-defined]
-    assert record.fields["path"] == "/v2/models/mlp"  # type: ignore[attr-defined]
+    fields = record.fields  # type: ignore[attr-defined]
+    assert (fields["path"], fields["route"], fields["status"]) == (path, route, status)
 
 
 def test_json_lines_carry_the_access_fields(client: FlaskClient, caplog: pytest.LogCaptureFixture) -> None:
