@@ -6,8 +6,9 @@
 #   hang-up or a resend, and after every turn the loop releases what is due and
 #   lets resends in while the batcher has room (let_in). No thread waits out a hold.
 # - gevent: the connection's own greenlet waits for a hang-up or a resend; a
-#   resend parks its greenlet in the worker's Lot, from which one releaser
-#   greenlet lets it in (let_in) or its own timeout ends the hold. No thread waits.
+#   resend parks its greenlet in the worker's Lot, from which the greenlet that
+#   writes the next answer lets it in (let_in), or its own timeout ends the
+#   hold. No thread waits, and nothing polls.
 
 """Holding a refused client's connection before reading its next request, without holding a thread.
 

@@ -207,6 +207,36 @@ def test_a_held_resend_is_let_in_as_soon_as_the_batcher_has_room(worker_class: s
     assert served.count(0) == 0, served
 
 
+@pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
+def test_a_resend_that_finds_room_is_let_in_as_it_arrives_not_when_its_hold_ends(worker_class: str) -> None:
+    # Room comes from answers, and each answer lets the held in; here no answer
+    # follows the resend. The service is idle when it arrives, and nothing but
+    # its own arrival can let it in before its hold ends.
+    env = {**OVERLOAD, "SERVE_WORKER_CLASS": worker_class, "SERVE_LATENCY_BUDGET_MS": "4000"}
+    fresh = b"POST /predict/batched HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+    with (
+        gunicorn(env) as server,
+        socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock,
+    ):
+        # nginx's X-Request-Start saying it waited 30 s: past the budget, refused and held.
+        sock.sendall(
+            fresh
+            + b"X-Request-Start: t=%.3f\r\nContent-Length: %d\r\n\r\n%s" % (time.time() - 30, len(BODY), BODY)
+        )
+        head, _ = read_response(sock)
+        refused_at = time.monotonic()
+        assert head.startswith(b"HTTP/1.1 503"), head
+        retry_after = float(re.search(rb"(?im)^retry-after: *(\d+)", head).group(1))  # type: ignore[union-attr]
+        hold_s = min(retry_after, 2.0)  # half the 4 s budget caps it at 2
+        time.sleep(0.1)  # the worker is waiting out the hold by now
+        sock.sendall(fresh + b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
+        head, _ = read_response(sock)
+        waited = time.monotonic() - refused_at
+    assert head.startswith(b"HTTP/1.1 200"), head
+    # 0.1 s before the resend and 0.1 s for its batch; the hold is 1 s or more.
+    assert waited < 0.6 * hold_s, (waited, hold_s)
+
+
 @pytest.mark.skipif(NGINX is None, reason=SKIP_REASON)
 def test_clients_that_resend_at_once_through_nginx_are_held_too() -> None:
     # nginx's kept-alive connections to the service carry every client's
