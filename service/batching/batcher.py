@@ -56,6 +56,7 @@ from service.batching import native
 from service.batching.admission import AdmissionRule, ServiceMeter, predict_wait
 from service.batching.reply import Reply
 from service.batching.subbatch import Cost, CostModel, cut
+from service.batching.waiting import end_of_hub_turn
 from service.errors import DeadlineExceeded, ModelError, NotReady, Overloaded, ServeError
 from service.models.base import Outputs
 from service.outputs import check_count, check_finite, client_error, first_non_finite
@@ -390,6 +391,7 @@ class Batcher:
         self._carry = None
         if first is _STOP:
             return None
+        end_of_hub_turn()  # under gevent: the requests the hub is parsing join this batch
         batch = [first]
         size = len(first.items)
         gather_start = last_arrival = time.monotonic()

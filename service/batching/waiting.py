@@ -13,11 +13,17 @@
 #   and drops its reference; the batch thread's result then goes nowhere, and
 #   the callback sets an Event nobody waits on. No map of pending requests
 #   exists, so nothing is left behind.
-"""Waiting for a batched request's Future from a request thread or greenlet."""
+# - The other way: the batch thread, woken by the first request a greenlet
+#   queues, waits for the hub to end its turn before it gathers a batch
+#   (end_of_hub_turn). The hub's loop is recorded by the first greenlet that
+#   waits here; a callback asked of it runs once the greenlets its turn woke
+#   have run, and each has queued its request by then.
+"""Waiting for a batched request's Future from a request thread or greenlet, and for the hub's turn."""
 
 from __future__ import annotations
 
 import concurrent.futures
+from typing import Any
 
 from service.batching import native
 from service.batching.reply import Reply
@@ -42,14 +48,44 @@ def wait_result(future: Reply, timeout_s: float) -> Outputs:
         return _after_deadline(future)
 
 
+# Longest the batch thread waits for the hub's turn: the interpreter's switch
+# interval, after which the hub would have had to give up the GIL anyway.
+HUB_TURN_WAIT_S = 0.005
+_hub_loop: Any = None  # the gevent hub's loop of this worker, once a greenlet has waited
+
+
+def end_of_hub_turn() -> None:
+    """From the batch thread: return once the hub has run what its turn woke, or after HUB_TURN_WAIT_S.
+
+    Under gevent every socket call the hub makes releases the GIL, and a batch
+    thread woken by the first request queued took it at the next one: each
+    request was a batch of its own (1.2 a batch at 64 clients on a model that
+    costs nothing, against 4.7 under gthread), and a round trip of the GIL
+    between the hub and the batch thread, four thread switches a request.
+    Waiting for the turn lets one batch take every request the turn parsed.
+    A no-op outside gevent, and before any greenlet has waited.
+    """
+    loop = _hub_loop
+    if loop is None:
+        return
+    turned = native.allocate_lock()
+    turned.acquire()
+    try:
+        loop.run_callback_threadsafe(turned.release)
+    except Exception:  # a hub already torn down (the worker exiting): gather as it stands
+        return
+    turned.acquire(timeout=HUB_TURN_WAIT_S)
+
+
 def _wait_in_greenlet(future: Reply, timeout_s: float) -> None:
     """Yield to the hub until ``future`` is done or ``timeout_s`` passes."""
+    global _hub_loop  # noqa: PLW0603
     if future.done():
         return
     from gevent import get_hub
     from gevent.event import Event
 
-    loop = get_hub().loop
+    loop = _hub_loop = get_hub().loop
     woken = Event()
     # Runs in the batch thread, or here at once if the future finished meanwhile.
     future.add_done_callback(lambda _: loop.run_callback_threadsafe(woken.set))

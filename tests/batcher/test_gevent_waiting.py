@@ -102,3 +102,56 @@ def test_greenlets_wait_for_the_native_batch_thread_through_the_hub() -> None:
         "done_before_wait": [4],
         "stopped": True,
     }
+
+
+BURST = r"""
+from gevent import monkey
+monkey.patch_all()
+
+import json
+import gevent
+from service.batching import native, waiting
+from service.batching.batcher import Batcher, GatherPolicy
+from service.batching.waiting import wait_result
+
+waiting.HUB_TURN_WAIT_S = 5.0  # the mechanism, not the cap: a slow machine must not cut the turn short
+sizes = []
+
+def predict(batch):
+    sizes.append(len(batch))
+    return [x * 2 for x in batch]
+
+batcher = Batcher(predict, max_batch_size=16, queue_limit=64, policy=GatherPolicy(adaptive=False))
+batcher.start()
+
+def client(i):
+    # A request greenlet makes socket calls before it queues its request, and
+    # each releases the GIL; a native sleep does too, blocking the hub as briefly.
+    native.sleep(0.0002)
+    return list(wait_result(batcher.submit([i], 1e18).future, 10))
+
+gevent.spawn(client, 100).get(timeout=10)  # the first greenlet to wait shows the batch thread the hub
+sizes.clear()
+burst = [gevent.spawn(client, i) for i in range(8)]  # all woken in one turn of the hub
+results = [g.get(timeout=10) for g in burst]
+print(json.dumps({"results": results, "sizes": sizes, "stopped": batcher.stop(timeout=10)}))
+"""
+
+
+def test_requests_queued_in_one_turn_of_the_hub_make_one_batch() -> None:
+    # Without waiting for the hub's turn, the batch thread took the GIL at the
+    # first greenlet's socket call after the first request was queued, and ran
+    # that request alone: under load, a batch and two GIL round trips a request.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")}
+    result = subprocess.run(
+        [sys.executable, "-c", BURST],
+        check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {"results": [[2 * i] for i in range(8)], "sizes": [8], "stopped": True}
