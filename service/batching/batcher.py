@@ -387,11 +387,20 @@ class Batcher:
 
     def _gather(self) -> list[Pending] | None:
         """The next batch, or None once the sentinel is reached and nothing is left."""
-        first = self._carry if self._carry is not None else self._take(None)
+        first: Any = self._carry
         self._carry = None
+        if first is None:
+            try:
+                first = self._take(0)
+            except native.Empty:
+                first = self._take(None)
+                if first is not _STOP:
+                    # Woken by the first request of an idle spell: under gevent,
+                    # those the hub is parsing now join it. Not when requests were
+                    # already queued: the model would idle through the hub's turn.
+                    end_of_hub_turn()
         if first is _STOP:
             return None
-        end_of_hub_turn()  # under gevent: the requests the hub is parsing join this batch
         batch = [first]
         size = len(first.items)
         gather_start = last_arrival = time.monotonic()

@@ -79,18 +79,7 @@ print(json.dumps(report))
 
 
 def test_greenlets_wait_for_the_native_batch_thread_through_the_hub() -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")}
-    result = subprocess.run(
-        [sys.executable, "-c", SCENARIO],
-        check=False,
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_scenario(SCENARIO)
     assert report == {
         "native_lock": True,
         "waiting_while_hub_runs": True,
@@ -142,9 +131,15 @@ def test_requests_queued_in_one_turn_of_the_hub_make_one_batch() -> None:
     # Without waiting for the hub's turn, the batch thread took the GIL at the
     # first greenlet's socket call after the first request was queued, and ran
     # that request alone: under load, a batch and two GIL round trips a request.
+    report = run_scenario(BURST)
+    assert report == {"results": [[2 * i] for i in range(8)], "sizes": [8], "stopped": True}
+
+
+def run_scenario(code: str) -> dict[str, object]:
+    """Run ``code`` in a child Python (gevent patches a process for good); the JSON its last line prints."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")}
     result = subprocess.run(
-        [sys.executable, "-c", BURST],
+        [sys.executable, "-c", code],
         check=False,
         cwd=ROOT,
         env=env,
@@ -153,5 +148,5 @@ def test_requests_queued_in_one_turn_of_the_hub_make_one_batch() -> None:
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report == {"results": [[2 * i] for i in range(8)], "sizes": [8], "stopped": True}
+    report: dict[str, object] = json.loads(result.stdout.strip().splitlines()[-1])
+    return report
