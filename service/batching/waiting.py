@@ -85,7 +85,10 @@ def _wait_in_greenlet(future: Reply, timeout_s: float) -> None:
     from gevent import get_hub
     from gevent.event import Event
 
-    loop = _hub_loop = get_hub().loop
+    loop = get_hub().loop
+    if _hub_loop is None:
+        # Once: every request greenlet runs on the worker's one hub.
+        _hub_loop = loop
     woken = Event()
     # Runs in the batch thread, or here at once if the future finished meanwhile.
     future.add_done_callback(lambda _: loop.run_callback_threadsafe(woken.set))

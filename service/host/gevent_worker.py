@@ -129,7 +129,8 @@ class Lot:
         self._let_in(sent_at)  # room already: its event is set, and the wait below returns at once
         early = let_in_early.wait(timeout=max(0.0, began + seconds - time.monotonic()))
         self._held.let_go(key)
-        self.in_transit.sent(time.monotonic())
+        if not early:
+            self.in_transit.sent(time.monotonic())  # one let in early was counted as it was let in
         return sent_at, bool(early)
 
     def _let_in(self, now: float) -> None:
@@ -137,6 +138,9 @@ class Lot:
         if fits is not None:
             for let_in_early, _ in self._held.let_in(fits):
                 let_in_early.set()  # its greenlet runs before the hub next polls sockets
+                # Counted now, not when its greenlet runs: a resend parking meanwhile
+                # must see the room this one takes.
+                self.in_transit.sent(now)
 
 
 def _sent_at(entry: tuple[Event, float]) -> float:

@@ -121,6 +121,7 @@ def client(i):
 
 gevent.spawn(client, 100).get(timeout=10)  # the first greenlet to wait shows the batch thread the hub
 sizes.clear()
+native.sleep(0.05)  # blocks the hub, so the batch thread is waiting on an empty queue again
 burst = [gevent.spawn(client, i) for i in range(8)]  # all woken in one turn of the hub
 results = [g.get(timeout=10) for g in burst]
 print(json.dumps({"results": results, "sizes": sizes, "stopped": batcher.stop(timeout=10)}))
