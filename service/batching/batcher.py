@@ -390,15 +390,13 @@ class Batcher:
         first: Any = self._carry
         self._carry = None
         if first is None:
-            try:
-                first = self._take(0)
-            except native.Empty:
-                first = self._take(None)
-                if first is not _STOP:
-                    # Woken by the first request of an idle spell: under gevent,
-                    # those the hub is parsing now join it. Not when requests were
-                    # already queued: the model would idle through the hub's turn.
-                    end_of_hub_turn()
+            idle = self._queue.empty()
+            first = self._take(None)
+            if idle and first is not _STOP:
+                # Woken by the first request of an idle spell: under gevent,
+                # those the hub is parsing now join it. Not when requests were
+                # already queued: the model would idle through the hub's turn.
+                end_of_hub_turn()
         if first is _STOP:
             return None
         batch = [first]

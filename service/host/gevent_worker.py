@@ -103,9 +103,7 @@ class Lot:
     def poke(self) -> None:
         """An answer is out: let in what the room it made fits."""
         if self._held:
-            now = time.monotonic()
-            self._held.due(now)  # holds that ended: their greenlets wake on their own timeouts
-            self._let_in(now)
+            self._let_in(time.monotonic())
 
     def wait_out(self, sock: Any, seconds: float, first: float) -> tuple[float | None, bool]:
         """Leave ``sock`` unread for ``seconds``, until its client hangs up, or until it is let in.
@@ -123,7 +121,6 @@ class Lot:
         # Its resend waits in the socket; the rest of the hold needs no watching.
         sent_at = time.monotonic()
         let_in_early = Event()
-        self._held.due(sent_at)  # with no releaser, ended holds are cleared as others park
         key = self._held.hold((let_in_early, sent_at), began, seconds, first=first)
         self._held.ready(key)
         self._let_in(sent_at)  # room already: its event is set, and the wait below returns at once
@@ -134,6 +131,9 @@ class Lot:
         return sent_at, bool(early)
 
     def _let_in(self, now: float) -> None:
+        # Holds that ended first (their greenlets wake on their own timeouts):
+        # with nothing polling, they are cleared here, at each answer and park.
+        self._held.due(now)
         fits = room_test(self._worker, self.in_transit.count(now), now, _sent_at)
         if fits is not None:
             for let_in_early, _ in self._held.let_in(fits):
