@@ -72,9 +72,9 @@ def current_request_id() -> str | None:
     return rid
 
 
-def note_batch_size(size: int) -> None:
-    """Within a Flask request: the items in the batch it ran in, for its access line."""
-    request.environ[BATCH_SIZE_ENVIRON_KEY] = size
+def note_batch_size(environ: dict[str, Any], size: int) -> None:
+    """The items in the batch the request ran in, for its access line."""
+    environ[BATCH_SIZE_ENVIRON_KEY] = size
 
 
 class RoutedRequest(Request):

@@ -8,19 +8,26 @@ lowered by X-Request-Timeout-Ms), validation of every item by the model
 the batcher's queue bound, and waiting for the batch. The access line and the
 request metrics come from the middleware around the app, and the bearer token
 from a request hook; both see every route (``service.http.access``,
-``service.http.routes.require_token``).
+``service.http.routes.require_token``; the direct routes,
+``service.http.direct``, check the token themselves).
+
+``serve_batched`` and ``serve_naive`` take the request's WSGI environ rather
+than Flask's request, so that the direct routes run them without a request
+context; ``run_batched`` and ``run_naive`` are the same for a Flask view. A
+route both answer is a ``Handler`` giving an ``Answer``, which either writes.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from flask import Response, current_app, request
 from werkzeug.exceptions import HTTPException
+from werkzeug.wsgi import get_input_stream
 
 from service.batching.waiting import wait_result
 from service.errors import BadRequest, PayloadTooLarge
@@ -32,6 +39,7 @@ from service.runtime import EXTENSION, ModelRuntime
 
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
 BATCH_SIZE_HEADER = "X-Batch-Size"
+_TIMEOUT_ENVIRON_KEY = "HTTP_" + TIMEOUT_HEADER.upper().replace("-", "_")
 
 # Turns a request body into the model's prepared items, or raises a ServeError.
 Parser = Callable[[bytes, Model], list[Any]]
@@ -57,9 +65,9 @@ def is_inference_path(path: str) -> bool:
     )
 
 
-def deadline(started: float, limit_ms: int) -> float:
+def deadline(started: float, limit_ms: int, environ: dict[str, Any]) -> float:
     """The request's monotonic deadline: ``limit_ms`` (SERVE_REQUEST_TIMEOUT_MS), or less if asked."""
-    raw = request.headers.get(TIMEOUT_HEADER)
+    raw = environ.get(_TIMEOUT_ENVIRON_KEY)
     if raw is not None:
         try:
             asked = int(raw)
@@ -71,10 +79,11 @@ def deadline(started: float, limit_ms: int) -> float:
     return started + limit_ms / 1000
 
 
-def read_body(limit: int) -> bytes:
+def read_body(environ: dict[str, Any], limit: int) -> bytes:
     """The request body, refused when it is over ``limit`` (SERVE_MAX_BODY_BYTES) or its framing is broken."""
     try:
-        body = request.get_data(cache=False)
+        # What Flask's request.get_data reads, with MAX_CONTENT_LENGTH at one byte over the limit.
+        body = get_input_stream(environ, max_content_length=limit + 1).read()
     except HTTPException:
         raise  # werkzeug's own: 413 for a body over the limit, 400 for a client gone mid-body
     except Exception as exc:
@@ -97,35 +106,70 @@ class Batched:
 
 
 def run_batched(parse: Parser) -> Batched:
-    """Parse this request's body with ``parse`` and run its items through the worker's batcher."""
-    # From the request's arrival (service.http.door), not from now: its wait for
-    # a thread counts toward its deadline and its latency budget.
-    arrived = request.environ.get(ARRIVAL_ENVIRON_KEY)
-    if not isinstance(arrived, float):
-        arrived = time.monotonic()
-    rt = runtime()
-    until = deadline(arrived, rt.settings.request_timeout_ms)
-    model, batcher = rt.require_ready()
-    with batcher.in_flight():
-        items = parse(read_body(rt.settings.max_body_bytes), model)
-        returning = request.environ.get(RETURNING_ENVIRON_KEY) == LET_IN
-        pending = batcher.submit(items, until, arrived, returning)
-        outputs = wait_result(pending.future, until - time.monotonic())
-    note_batch_size(pending.batch_size)
-    return Batched(model, outputs, pending.batch_size)
+    """Within a Flask request: ``serve_batched`` for it."""
+    return serve_batched(runtime(), request.environ, parse)
 
 
 def run_naive(parse: Parser) -> Batched:
-    """Parse this request's body and run its items in this thread (the comparison route)."""
-    rt = runtime()
+    """Within a Flask request: ``serve_naive`` for it."""
+    return serve_naive(runtime(), request.environ, parse)
+
+
+def serve_batched(rt: ModelRuntime, environ: dict[str, Any], parse: Parser) -> Batched:
+    """Parse the request's body with ``parse`` and run its items through the worker's batcher."""
+    # From the request's arrival (service.http.door), not from now: its wait for
+    # a thread counts toward its deadline and its latency budget.
+    arrived = environ.get(ARRIVAL_ENVIRON_KEY)
+    if not isinstance(arrived, float):
+        arrived = time.monotonic()
+    until = deadline(arrived, rt.settings.request_timeout_ms, environ)
+    model, batcher = rt.require_ready()
+    with batcher.in_flight():
+        items = parse(read_body(environ, rt.settings.max_body_bytes), model)
+        returning = environ.get(RETURNING_ENVIRON_KEY) == LET_IN
+        pending = batcher.submit(items, until, arrived, returning)
+        outputs = wait_result(pending.future, until - time.monotonic())
+    note_batch_size(environ, pending.batch_size)
+    return Batched(model, outputs, pending.batch_size)
+
+
+def serve_naive(rt: ModelRuntime, environ: dict[str, Any], parse: Parser) -> Batched:
+    """Parse the request's body and run its items in this thread (the comparison route)."""
     model, _ = rt.require_ready()
-    items = parse(read_body(rt.settings.max_body_bytes), model)
+    items = parse(read_body(environ, rt.settings.max_body_bytes), model)
     outputs = rt.predict_naive(items)
-    note_batch_size(len(items))
+    note_batch_size(environ, len(items))
     return Batched(model, outputs, len(items))
 
 
-def with_batch_size(response: Response, batch_size: int) -> Response:
+@dataclass(frozen=True)
+class Answer:
+    """A route's answer to a request it served, written by Flask or by the direct routes alike."""
+
+    body: bytes
+    content_type: str
+    # After Content-Type and Content-Length, in order.
+    headers: tuple[tuple[str, str], ...]
+
+    def response(self) -> Response:
+        """The answer as a Flask view returns it."""
+        response = Response(self.body, content_type=self.content_type)
+        for name, value in self.headers:
+            response.headers[name] = value
+        return response
+
+
+# A route as the direct routes call it (service.http.direct): the runtime, the
+# request's environ and the route's arguments (v2's model name) to its answer.
+Handler = Callable[[ModelRuntime, dict[str, Any], Mapping[str, Any]], Answer]
+
+
+def batch_size_header(batch_size: int) -> tuple[str, str]:
     # Lets a client (and the tests) see batching at work without scraping metrics.
-    response.headers[BATCH_SIZE_HEADER] = str(batch_size)
+    return BATCH_SIZE_HEADER, str(batch_size)
+
+
+def with_batch_size(response: Response, batch_size: int) -> Response:
+    name, value = batch_size_header(batch_size)
+    response.headers[name] = value
     return response

@@ -14,17 +14,20 @@ from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import orjson
 from flask import Blueprint, Flask, Response, current_app, request
 
 from service.errors import ModelError, ServeError
 from service.http import v2_codec
-from service.http.inference import json_response, run_batched, runtime, with_batch_size
+from service.http.inference import Answer, Handler, batch_size_header, json_response, runtime, serve_batched
 from service.http.payload import load_json, prepare_items, require_json
 from service.models import Model
 from service.models.base import EMBEDDINGS, GENERIC, RERANK, item_sizer, json_type, task_of
+from service.runtime import ModelRuntime
 
 bp = Blueprint("openai", __name__, url_prefix="/v1")
 
@@ -51,14 +54,14 @@ def init_app(app: Flask) -> None:
     app.extensions[_CREATED] = int(time.time())
 
 
-def error_response(status: int, message: str, exc: BaseException | None = None) -> Response:
+def error_document(status: int, message: str, exc: BaseException | None = None) -> tuple[int, dict[str, Any]]:
     status = _STATUS.get(status, status)
     kind = "invalid_request_error" if status < 500 else "server_error"
     param, code = (exc.param, exc.code) if isinstance(exc, OpenAIError) else (None, None)
     if status == 401:
         code = "invalid_api_key"
     error = {"message": message, "type": kind, "param": param, "code": code}
-    return json_response({"error": error}, status)
+    return status, {"error": error}
 
 
 @bp.get("/models")
@@ -74,23 +77,20 @@ def get_model(name: str) -> Response:
     return json_response(_describe(model))
 
 
-@bp.post("/embeddings")
-def embeddings() -> Response:
+def answer_embeddings(rt: ModelRuntime, environ: dict[str, Any], args: Mapping[str, Any]) -> Answer:
     asked: dict[str, Any] = {}
 
     def parse(body: bytes, model: Model) -> list[object]:
         _check_embedding_model(model)
-        require_json(request.content_type)
+        require_json(environ.get("CONTENT_TYPE"))
         document = load_json(body, '{"input": "text", "model": "' + model.name + '"}')
         if not isinstance(document, dict):
             raise OpenAIError(400, f"the body must be a JSON object, got {json_type(document)}")
         asked.update(_check_request(document, model))
-        asked["items"] = prepare_items(
-            asked["texts"], model, runtime().settings.max_items_per_request, "input"
-        )
+        asked["items"] = prepare_items(asked["texts"], model, rt.settings.max_items_per_request, "input")
         return asked["items"]  # type: ignore[no-any-return]
 
-    done = run_batched(parse)
+    done = serve_batched(rt, environ, parse)
     vectors = _vectors(done.model, done.outputs)
     data = [
         {"object": "embedding", "index": i, "embedding": _encode(vector, asked["encoding_format"])}
@@ -103,7 +103,17 @@ def embeddings() -> Response:
         "model": done.model.name,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
-    return with_batch_size(json_response(document), done.batch_size)
+    body = orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
+    return Answer(body, "application/json", (batch_size_header(done.batch_size),))
+
+
+# Answered by service.http.direct in a served app; see service.http.routes.DIRECT.
+DIRECT: dict[str, Handler] = {"openai.embeddings": answer_embeddings}
+
+
+@bp.post("/embeddings")
+def embeddings() -> Response:
+    return answer_embeddings(runtime(), request.environ, {}).response()
 
 
 def _check_request(document: dict[str, Any], model: Model) -> dict[str, Any]:

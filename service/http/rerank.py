@@ -46,9 +46,9 @@ class BadField(ServeError):
     status = 422
 
 
-def error_response(status: int, message: str) -> Response:
-    """Cohere's error body; its SDK raises by status. 422 is Cohere's 400 for a bad field."""
-    return json_response({"message": message}, 400 if status == 422 else status)
+def error_document(status: int, message: str) -> tuple[int, dict[str, Any]]:
+    """Cohere's error status and body; its SDK raises by status. 422 is Cohere's 400 for a bad field."""
+    return 400 if status == 422 else status, {"message": message}
 
 
 @dataclass

@@ -7,6 +7,8 @@ service.http.inference.
 from __future__ import annotations
 
 import hmac
+from collections.abc import Mapping
+from typing import Any
 
 from flask import Blueprint, Flask, Response, request
 
@@ -14,18 +16,28 @@ from service.errors import Unauthorized
 from service.http.inference import (
     BATCH_SIZE_HEADER,
     TIMEOUT_HEADER,
-    Batched,
+    Answer,
+    Handler,
+    batch_size_header,
     is_inference_path,
     json_response,
-    run_batched,
-    run_naive,
     runtime,
-    with_batch_size,
+    serve_batched,
+    serve_naive,
 )
 from service.http.payload import parse_inputs, render_outputs
 from service.models import Model, describe
+from service.runtime import ModelRuntime
 
-__all__ = ["BATCH_SIZE_HEADER", "TIMEOUT_HEADER", "bp", "json_response", "require_token"]
+__all__ = [
+    "BATCH_SIZE_HEADER",
+    "DIRECT",
+    "TIMEOUT_HEADER",
+    "bp",
+    "check_token",
+    "json_response",
+    "require_token",
+]
 
 bp = Blueprint("serve", __name__)
 
@@ -34,7 +46,8 @@ def require_token(app: Flask, token: str | None) -> None:
     """Refuse (401) an inference request without ``Authorization: Bearer <token>``; no check without a token.
 
     Registered only when SERVE_API_TOKEN is set: a request hook costs every
-    request Flask's dispatch, even one that returns at once.
+    request Flask's dispatch, even one that returns at once. The direct routes
+    (service.http.direct) check the same token themselves.
     """
     if token is None:
         return
@@ -42,35 +55,50 @@ def require_token(app: Flask, token: str | None) -> None:
 
     @app.before_request
     def _authorize() -> None:
-        if not is_inference_path(request.path):
-            return
-        header = request.headers.get("Authorization", "")
-        scheme, _, given = header.partition(" ")
-        # compare_digest takes as long for a near miss as for a wild guess.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
-            raise Unauthorized(
-                "a valid bearer token is required: send Authorization: Bearer <SERVE_API_TOKEN>"
-            )
+        if is_inference_path(request.path):
+            check_token(request.headers.get("Authorization", ""), expected)
 
 
-def _parse(body: bytes, model: Model) -> list[object]:
-    return parse_inputs(body, request.content_type, model, runtime().settings.max_items_per_request)
+def check_token(authorization: str, expected: bytes) -> None:
+    """Raise Unauthorized unless the ``Authorization`` header holds the bearer token ``expected``."""
+    scheme, _, given = authorization.partition(" ")
+    # compare_digest takes as long for a near miss as for a wild guess.
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+        raise Unauthorized("a valid bearer token is required: send Authorization: Bearer <SERVE_API_TOKEN>")
 
 
-def _predictions(done: Batched) -> Response:
-    response = Response(render_outputs(done.model.name, done.outputs), mimetype="application/json")
-    return with_batch_size(response, done.batch_size)
+def answer_predict(
+    rt: ModelRuntime, environ: dict[str, Any], args: Mapping[str, Any], *, naive: bool = False
+) -> Answer:
+    """A /predict request's items through the worker's batcher, or in this thread for /predict/naive."""
+
+    def parse(body: bytes, model: Model) -> list[object]:
+        return parse_inputs(body, environ.get("CONTENT_TYPE"), model, rt.settings.max_items_per_request)
+
+    done = serve_naive(rt, environ, parse) if naive else serve_batched(rt, environ, parse)
+    body = render_outputs(done.model.name, done.outputs)
+    return Answer(body, "application/json", (batch_size_header(done.batch_size),))
+
+
+def answer_naive(rt: ModelRuntime, environ: dict[str, Any], args: Mapping[str, Any]) -> Answer:
+    return answer_predict(rt, environ, args, naive=True)
+
+
+# The routes service.http.direct answers, by endpoint. In a served app their
+# POSTs never reach these views; the views stay the reference the direct
+# answers are tested against (tests/unit/test_direct.py).
+DIRECT: dict[str, Handler] = {"serve.predict_batched": answer_predict, "serve.predict_naive": answer_naive}
 
 
 @bp.post("/predict/naive")
 def predict_naive() -> Response:
-    return _predictions(run_naive(_parse))
+    return answer_naive(runtime(), request.environ, {}).response()
 
 
 @bp.post("/predict")
 @bp.post("/predict/batched")
 def predict_batched() -> Response:
-    return _predictions(run_batched(_parse))
+    return answer_predict(runtime(), request.environ, {}).response()
 
 
 @bp.get("/healthz")

@@ -9,18 +9,23 @@ answers for a bad item).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from flask import Blueprint, Response, request
 
 from service import __version__
 from service.errors import ServeError
 from service.http import v2_codec
-from service.http.inference import json_response, run_batched, runtime, with_batch_size
+from service.http.inference import Answer, Handler, batch_size_header, json_response, runtime, serve_batched
 from service.models import Model
+from service.runtime import ModelRuntime
 
 bp = Blueprint("v2", __name__, url_prefix="/v2")
 
 SERVER_NAME = "torch-serve-batched"
 PLATFORM = "pytorch"
+_HEADER_LENGTH_ENVIRON_KEY = "HTTP_" + v2_codec.HEADER_LENGTH.upper().replace("-", "_")
 
 
 class NotFound(ServeError):
@@ -72,27 +77,34 @@ def model_ready(name: str, version: str | None = None) -> Response:
     return json_response({"name": model.name, "ready": True})
 
 
-@bp.post("/models/<name>/infer")
-@bp.post("/models/<name>/versions/<version>/infer")
-def infer(name: str, version: str | None = None) -> Response:
+def answer_infer(rt: ModelRuntime, environ: dict[str, Any], args: Mapping[str, Any]) -> Answer:
+    name, version = args["name"], args.get("version")
     parsed: list[v2_codec.InferRequest] = []
 
     def parse(body: bytes, model: Model) -> list[object]:
         _check_name(model, name, version)
         spec = _input_spec(model)
-        infer_request = v2_codec.parse_request(body, request.headers.get(v2_codec.HEADER_LENGTH), spec)
+        infer_request = v2_codec.parse_request(body, environ.get(_HEADER_LENGTH_ENVIRON_KEY), spec)
         parsed.append(infer_request)
-        return v2_codec.items(infer_request, spec, model, runtime().settings.max_items_per_request)
+        return v2_codec.items(infer_request, spec, model, rt.settings.max_items_per_request)
 
-    done = run_batched(parse)
+    done = serve_batched(rt, environ, parse)
     outputs = v2_codec.tensor_outputs(done.model, done.outputs)
     body, header_length = v2_codec.encode_response(done.model.name, parsed[0], outputs)
     if header_length is None:
-        response = Response(body, mimetype="application/json")
-    else:
-        response = Response(body, mimetype="application/octet-stream")
-        response.headers[v2_codec.HEADER_LENGTH] = str(header_length)
-    return with_batch_size(response, done.batch_size)
+        return Answer(body, "application/json", (batch_size_header(done.batch_size),))
+    headers = ((v2_codec.HEADER_LENGTH, str(header_length)), batch_size_header(done.batch_size))
+    return Answer(body, "application/octet-stream", headers)
+
+
+# Answered by service.http.direct in a served app; see service.http.routes.DIRECT.
+DIRECT: dict[str, Handler] = {"v2.infer": answer_infer}
+
+
+@bp.post("/models/<name>/infer")
+@bp.post("/models/<name>/versions/<version>/infer")
+def infer(name: str, version: str | None = None) -> Response:
+    return answer_infer(runtime(), request.environ, {"name": name, "version": version}).response()
 
 
 def _served(name: str, version: str | None) -> Model:

@@ -1,0 +1,253 @@
+"""The inference routes answered without Flask give exactly the answers Flask's views give.
+
+Each request is sent twice to the same app: once as served (service.http.direct
+answers it) and once with the direct routes turned off, so that Flask's view
+for the route answers it. Status line, headers (all but the random request id)
+and body must match, byte for byte, for answers and for every kind of error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import orjson
+import pytest
+from flask import Flask
+
+from service import create_app
+from service.http import routes
+from service.http.access import REQUEST_ID_HEADER
+from service.http.direct import Direct
+from service.runtime import EXTENSION
+from service.settings import Settings
+from tests.conftest import wait_until_ready
+
+TOKEN = "s3cret"
+JSON = {"Content-Type": "application/json"}
+AUTHORIZED = {**JSON, "Authorization": f"Bearer {TOKEN}"}
+SETTINGS = Settings(model="tests.support.models:quirky", max_items_per_request=4, max_body_bytes=2048)
+# A text model with vectors for outputs: what /v1/embeddings and v2's tensors need.
+VECTORS = SETTINGS.replace(model="tests.support.models:vectors")
+V2_LENGTH = "Inference-Header-Content-Length"
+VIEWS = ("serve.predict_batched", "serve.predict_naive", "openai.embeddings", "v2.infer")
+
+Case = tuple[str, dict[str, str], bytes]
+
+
+def _body(document: Any) -> bytes:
+    return orjson.dumps(document)
+
+
+def _tensor(values: list[Any], datatype: str = "BYTES", **extra: Any) -> bytes:
+    tensor = {"name": "input", "datatype": datatype, "shape": [len(values)], "data": values}
+    return _body({"inputs": [tensor], **extra})
+
+
+def _binary_tensor(words: list[bytes]) -> tuple[dict[str, str], bytes]:
+    raw = b"".join(len(w).to_bytes(4, "little") + w for w in words)
+    tensor = {
+        "name": "input",
+        "datatype": "BYTES",
+        "shape": [len(words)],
+        "parameters": {"binary_data_size": len(raw)},
+    }
+    header = _body({"inputs": [tensor], "parameters": {"binary_data_output": True}})
+    return {V2_LENGTH: str(len(header))}, header + raw
+
+
+CASES: dict[str, Case] = {
+    "one text, batched": ("/predict/batched", JSON, _body({"inputs": ["hello"]})),
+    "three texts, /predict": ("/predict", JSON, _body({"inputs": ["a", "bb", "ccc"]})),
+    "two texts, naive": ("/predict/naive", JSON, _body({"inputs": ["a", "bb"]})),
+    "json with a charset": (
+        "/predict",
+        {"Content-Type": "application/json; charset=utf-8"},
+        _body({"inputs": ["x"]}),
+    ),
+    "a deadline asked for": ("/predict", {**JSON, "X-Request-Timeout-Ms": "5000"}, _body({"inputs": ["x"]})),
+    "not json": ("/predict/batched", JSON, b"{not json"),
+    "empty body": ("/predict/batched", JSON, b""),
+    "no content type": ("/predict/batched", {}, _body({"inputs": ["x"]})),
+    "text/plain": ("/predict/naive", {"Content-Type": "text/plain"}, b"hello"),
+    "a list, not an object": ("/predict", JSON, _body(["x"])),
+    "no inputs field": ("/predict", JSON, _body({"input": ["x"]})),
+    "inputs not a list": ("/predict", JSON, _body({"inputs": "x"})),
+    "no items": ("/predict", JSON, _body({"inputs": []})),
+    "too many items": ("/predict/naive", JSON, _body({"inputs": ["x"] * 5})),
+    "a bad item": ("/predict/batched", JSON, _body({"inputs": ["x", 5]})),
+    "a body over the limit": ("/predict/batched", JSON, _body({"inputs": ["x" * 3000]})),
+    "a deadline that is not a number": (
+        "/predict",
+        {**JSON, "X-Request-Timeout-Ms": "soon"},
+        _body({"inputs": ["x"]}),
+    ),
+    "a deadline of zero": ("/predict", {**JSON, "X-Request-Timeout-Ms": "0"}, _body({"inputs": ["x"]})),
+    "outputs holding NaN, batched": ("/predict/batched", JSON, _body({"inputs": ["nested-nan"]})),
+    "outputs holding NaN, naive": ("/predict/naive", JSON, _body({"inputs": ["scalar-inf"]})),
+    "out of memory": ("/predict/batched", JSON, _body({"inputs": ["oom"]})),
+}
+
+# Sent to the vectors model.
+PROTOCOL_CASES: dict[str, Case] = {
+    "embeddings, one text": ("/v1/embeddings", JSON, _body({"input": "hello there", "model": "vectors"})),
+    "embeddings, texts in base64": (
+        "/v1/embeddings",
+        JSON,
+        _body({"input": ["a", "b c"], "model": "vectors", "encoding_format": "base64"}),
+    ),
+    "embeddings, another model": ("/v1/embeddings", JSON, _body({"input": "x", "model": "gpt"})),
+    "embeddings, no input": ("/v1/embeddings", JSON, _body({"model": "vectors"})),
+    "embeddings, an unknown encoding": (
+        "/v1/embeddings",
+        JSON,
+        _body({"input": "x", "model": "vectors", "encoding_format": "int8"}),
+    ),
+    "embeddings, too many texts": ("/v1/embeddings", JSON, _body({"input": ["x"] * 5, "model": "vectors"})),
+    "embeddings, not json": ("/v1/embeddings", JSON, b"[1,"),
+    "embeddings, text/plain": ("/v1/embeddings", {"Content-Type": "text/plain"}, b"x"),
+    "v2, json tensors": ("/v2/models/vectors/infer", JSON, _tensor(["a", "b c"], id="req-1")),
+    "v2, a version": ("/v2/models/vectors/versions/1/infer", JSON, _tensor(["a"])),
+    "v2, binary tensors": ("/v2/models/vectors/infer", *_binary_tensor([b"hello", b""])),
+    "v2, another model": ("/v2/models/resnet/infer", JSON, _tensor(["a"])),
+    "v2, another version": ("/v2/models/vectors/versions/9/infer", JSON, _tensor(["a"])),
+    "v2, a wrong datatype": ("/v2/models/vectors/infer", JSON, _tensor([1.0], "FP32")),
+    "v2, a bad item": ("/v2/models/vectors/infer", JSON, _tensor([5])),
+    "v2, too many items": ("/v2/models/vectors/infer", JSON, _tensor(["x"] * 5)),
+    "v2, a body over the limit": ("/v2/models/vectors/infer", JSON, _tensor(["x" * 3000])),
+    "v2, a header length past the body": ("/v2/models/vectors/infer", {V2_LENGTH: "9999"}, _tensor(["x"])),
+}
+
+
+def _direct(app: Flask) -> Direct:
+    """The Direct in the app's middleware chain (door, access, direct)."""
+    layer: Any = app.wsgi_app
+    while not isinstance(layer, Direct):
+        layer = layer._app
+    return layer
+
+
+@pytest.fixture(scope="module")
+def apps() -> Iterator[dict[str, Flask]]:
+    built = {
+        "open": create_app(SETTINGS),
+        "guarded": create_app(SETTINGS.replace(api_token=TOKEN)),
+        "vectors": create_app(VECTORS),
+    }
+    for app in built.values():
+        wait_until_ready(app)
+    yield built
+    for app in built.values():
+        app.extensions[EXTENSION].stop(timeout=10)
+
+
+def _answer(app: Flask, path: str, headers: dict[str, str], body: bytes, *, direct: bool) -> tuple[Any, ...]:
+    """The answer as the client sees it, and how many times Flask's views ran for it."""
+    views = {name: app.view_functions[name] for name in VIEWS}
+    calls = []
+
+    def counted(view: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(view.__name__)
+            return view(*args, **kwargs)
+
+        return call
+
+    layer = _direct(app)
+    handlers = layer._handlers
+    app.view_functions.update({name: counted(view) for name, view in views.items()})
+    if not direct:
+        layer._handlers = {}
+    try:
+        response = app.test_client().post(path, data=body, headers=headers)
+    finally:
+        layer._handlers = handlers
+        app.view_functions.update(views)
+    shown = [(name, value) for name, value in response.headers if name != REQUEST_ID_HEADER]
+    return response.status, shown, response.data, len(calls)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_direct_answer_is_flask_s_answer(apps: dict[str, Flask], case: str) -> None:
+    path, headers, body = CASES[case]
+    *direct, direct_views = _answer(apps["open"], path, headers, body, direct=True)
+    *flask, flask_views = _answer(apps["open"], path, headers, body, direct=False)
+    assert (direct_views, flask_views) == (0, 1)  # each way really was taken
+    assert direct == flask
+
+
+@pytest.mark.parametrize("case", PROTOCOL_CASES)
+def test_the_direct_answer_is_flask_s_answer_on_every_protocol(apps: dict[str, Flask], case: str) -> None:
+    path, headers, body = PROTOCOL_CASES[case]
+    *direct, direct_views = _answer(apps["vectors"], path, headers, body, direct=True)
+    *flask, flask_views = _answer(apps["vectors"], path, headers, body, direct=False)
+    assert (direct_views, flask_views) == (0, 1)
+    assert direct == flask
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        AUTHORIZED,
+        JSON,
+        {**JSON, "Authorization": "Bearer wrong"},
+        {**JSON, "Authorization": f"Basic {TOKEN}"},
+    ],
+    ids=["the token", "no token", "a wrong token", "another scheme"],
+)
+def test_the_token_check_answers_as_flask_s_does(apps: dict[str, Flask], headers: dict[str, str]) -> None:
+    body = _body({"inputs": ["x"]})
+    *direct, _ = _answer(apps["guarded"], "/predict/batched", headers, body, direct=True)
+    *flask, _ = _answer(apps["guarded"], "/predict/batched", headers, body, direct=False)
+    assert direct == flask
+    assert direct[0] == ("200 OK" if headers is AUTHORIZED else "401 UNAUTHORIZED")
+
+
+def test_an_unexpected_fault_is_a_500_that_names_nothing_of_it(
+    apps: dict[str, Flask], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("secret detail")
+
+    # The one function both ways call: the views call it by name, the direct
+    # routes through their table.
+    monkeypatch.setattr(routes, "serve_batched", broken)
+    body = _body({"inputs": ["x"]})
+    *direct, _ = _answer(apps["open"], "/predict", JSON, body, direct=True)
+    *flask, _ = _answer(apps["open"], "/predict", JSON, body, direct=False)
+    assert direct == flask
+    assert direct[0] == "500 INTERNAL SERVER ERROR"
+    assert b"secret detail" not in direct[2]
+    assert sum("secret detail" in (r.exc_text or "") for r in caplog.records) == 2  # logged both ways
+
+
+@pytest.mark.parametrize("method", ["GET", "PUT", "HEAD"])
+def test_other_methods_are_left_to_flask(apps: dict[str, Flask], method: str) -> None:
+    response = apps["open"].test_client().open("/predict/batched", method=method)
+    assert response.status_code == 405
+    assert set(response.headers["Allow"].split(", ")) == {"OPTIONS", "POST"}
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/predict/batched/",
+        "/predict//batched",
+        "/v1/embeddings/",
+        "/v2/models/quirky/infer/",
+        "/healthz",
+        "/nowhere",
+    ],
+)
+def test_a_path_of_no_direct_route_is_flask_s(apps: dict[str, Flask], path: str) -> None:
+    # A near miss is Flask's to answer (a 404, a 405 or its redirect), never a prediction.
+    app = apps["open"]
+    direct = app.test_client().post(path, json={"inputs": ["x"]})
+    layer = _direct(app)
+    handlers, layer._handlers = layer._handlers, {}
+    try:
+        flask = app.test_client().post(path, json={"inputs": ["x"]})
+    finally:
+        layer._handlers = handlers
+    assert direct.status_code in (308, 404, 405)
+    assert (direct.status, direct.data) == (flask.status, flask.data)
