@@ -28,8 +28,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     """
     settings = settings if settings is not None else Settings.from_env()
     app = Flask("service")
-    # One byte over the limit, so that a chunked body (no Content-Length) that
-    # is too long shows it: werkzeug silently stops reading at this many bytes.
+    # The inference routes read their bodies with this limit themselves
+    # (service.http.inference.read_body); Flask applies it to anything else.
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes + 1
     metrics = Metrics(settings)
     metrics.init_app(app)

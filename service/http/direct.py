@@ -22,6 +22,7 @@ its request id, metrics and access line, this one's included.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -29,15 +30,21 @@ import orjson
 from flask import Flask, Response
 from werkzeug.exceptions import HTTPException
 from werkzeug.routing import RequestRedirect
+from werkzeug.wsgi import get_path_info
 
-from service.http.access import RULE_ENVIRON_KEY
+from service.http.access import REQUEST_ID_ENVIRON_KEY, RULE_ENVIRON_KEY
 from service.http.inference import Handler
 from service.http.routes import check_token
-from service.http.shapes import answer_error
+from service.http.shapes import INTERNAL_ERROR, answer_error, error_document
 
 if TYPE_CHECKING:
     from service.metrics import Metrics
     from service.runtime import ModelRuntime
+
+log = logging.getLogger(__name__)
+
+_JSON = "application/json"
+Headers = tuple[tuple[str, str], ...]
 
 
 class Direct:
@@ -58,9 +65,12 @@ class Direct:
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         if environ.get("REQUEST_METHOD") != "POST":
             return self._app(environ, start_response)
-        path = environ.get("PATH_INFO", "")
+        # Decoded from the WSGI string as Flask decodes it, so a model's non-ASCII
+        # name matches; the error's wording goes by the path as request.path gives it.
+        path_info = get_path_info(environ)
+        path = "/" + path_info.lstrip("/")
         try:
-            rule, args = self._urls.match(path, method="POST", return_rule=True)
+            rule, args = self._urls.match(path_info, method="POST", return_rule=True)
         except (HTTPException, RequestRedirect):
             return self._app(environ, start_response)  # a 404, a 405 or a redirect: Flask's to answer
         handler = self._handlers.get(rule.endpoint)
@@ -74,14 +84,23 @@ class Direct:
             answer = handler(self._runtime, environ, args)
             status, body, content_type, extra = 200, answer.body, answer.content_type, answer.headers
         except Exception as exc:
-            said = answer_error(exc, path, environ, self._runtime.settings, self._metrics)
-            status, body, content_type = said.status, orjson.dumps(said.document), "application/json"
-            extra = tuple(said.headers)
+            status, body, content_type, extra = self._error(exc, path, environ)
         start_response(
             self._status_line(status),
             [("Content-Type", content_type), ("Content-Length", str(len(body))), *extra],
         )
         return [body]
+
+    def _error(self, exc: Exception, path: str, environ: dict[str, Any]) -> tuple[int, bytes, str, Headers]:
+        try:
+            said = answer_error(exc, path, environ, self._runtime.settings, self._metrics)
+            return said.status, orjson.dumps(said.document), _JSON, tuple(said.headers)
+        except Exception:
+            # As Flask does when its error handler fails: a plain 500, still JSON,
+            # still through the access middleware for its line and metrics.
+            log.exception("answering the error of request %s failed", environ.get(REQUEST_ID_ENVIRON_KEY))
+            status, document = error_document(path, 500, INTERNAL_ERROR)
+            return status, orjson.dumps(document), _JSON, ()
 
     def _status_line(self, status: int) -> str:
         line = self._status_lines.get(status)

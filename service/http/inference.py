@@ -91,8 +91,8 @@ def read_body(environ: dict[str, Any], limit: int) -> bytes:
         # InvalidChunkSize on a malformed chunked body): the client's fault, not ours.
         raise BadRequest(f"the request body could not be read ({type(exc).__name__})") from None
     if len(body) > limit:
-        # A chunked body has no Content-Length to refuse up front; werkzeug stops
-        # reading it one byte past the limit (MAX_CONTENT_LENGTH is limit + 1).
+        # werkzeug refuses a Content-Length, or a chunked body as it streams,
+        # past limit + 1 bytes; a body of exactly limit + 1 is refused here.
         raise PayloadTooLarge(f"the request body is over {limit} bytes (SERVE_MAX_BODY_BYTES)")
     return body
 

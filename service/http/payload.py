@@ -1,7 +1,7 @@
 """Request bodies to model items, and results to response bodies. Pure: no Flask.
 
-Sizes are bounded before parsing (Flask's ``MAX_CONTENT_LENGTH`` refuses an
-oversized body as it streams in), and every item passes ``model.prepare`` before
+Sizes are bounded before parsing (``service.http.inference.read_body`` refuses
+an oversized body as it streams in), and every item passes ``model.prepare`` before
 the request may reach a batch. A model whose items are images (``item_kind``
 "image") also takes a raw body of one image (``image/jpeg``, ``image/png``,
 ``image/webp``) and ``multipart/form-data``, one image a part

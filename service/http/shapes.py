@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# All a client is told of a fault in the service itself.
+INTERNAL_ERROR = "internal server error; see the service log"
+
 
 @dataclass(frozen=True)
 class ErrorAnswer:
@@ -83,6 +86,6 @@ def answer_error(
         headers = [(name, value) for name, value in exc.get_headers() if name.lower() != "content-type"]
     else:
         log.error("unhandled error in request %s", environ.get(REQUEST_ID_ENVIRON_KEY), exc_info=exc)
-        status, message, cause = 500, "internal server error; see the service log", None
+        status, message, cause = 500, INTERNAL_ERROR, None
     status, document = error_document(path, status, message, cause)
     return ErrorAnswer(status, document, headers)

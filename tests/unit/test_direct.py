@@ -16,8 +16,11 @@ import pytest
 from flask import Flask
 
 from service import create_app
+from service.errors import NotReady
+from service.http import direct as direct_module
 from service.http import routes
 from service.http.access import REQUEST_ID_HEADER
+from service.http.arrival import HOLD_ENVIRON_KEY
 from service.http.direct import Direct
 from service.runtime import EXTENSION
 from service.settings import Settings
@@ -141,8 +144,10 @@ def apps() -> Iterator[dict[str, Flask]]:
         app.extensions[EXTENSION].stop(timeout=10)
 
 
-def _answer(app: Flask, path: str, headers: dict[str, str], body: bytes, *, direct: bool) -> tuple[Any, ...]:
-    """The answer as the client sees it, and how many times Flask's views ran for it."""
+def _answer(
+    app: Flask, path: str, headers: dict[str, str], body: bytes, *, direct: bool, path_info: str | None = None
+) -> tuple[Any, ...]:
+    """The answer as the client sees it, the hold asked of the worker, how many times Flask's views ran."""
     views = {name: app.view_functions[name] for name in VIEWS}
     calls = []
 
@@ -154,17 +159,27 @@ def _answer(app: Flask, path: str, headers: dict[str, str], body: bytes, *, dire
         return call
 
     layer = _direct(app)
-    handlers = layer._handlers
+    handlers, chain = layer._handlers, app.wsgi_app
+    seen: list[dict[str, Any]] = []
+
+    def recorded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        seen.append(environ)  # the dict the worker reads after the answer
+        return chain(environ, start_response)
+
     app.view_functions.update({name: counted(view) for name, view in views.items()})
+    app.wsgi_app = recorded  # type: ignore[method-assign]
     if not direct:
         layer._handlers = {}
     try:
-        response = app.test_client().post(path, data=body, headers=headers)
+        overrides = {"PATH_INFO": path_info} if path_info is not None else {}
+        response = app.test_client().post(path, data=body, headers=headers, environ_overrides=overrides)
     finally:
         layer._handlers = handlers
+        app.wsgi_app = chain  # type: ignore[method-assign]
         app.view_functions.update(views)
     shown = [(name, value) for name, value in response.headers if name != REQUEST_ID_HEADER]
-    return response.status, shown, response.data, len(calls)
+    held = seen[0].get(HOLD_ENVIRON_KEY)
+    return response.status, shown, response.data, held, len(calls)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -219,6 +234,56 @@ def test_an_unexpected_fault_is_a_500_that_names_nothing_of_it(
     assert direct[0] == "500 INTERNAL SERVER ERROR"
     assert b"secret detail" not in direct[2]
     assert sum("secret detail" in (r.exc_text or "") for r in caplog.records) == 2  # logged both ways
+
+
+@pytest.mark.parametrize(
+    "path_info",
+    [
+        "//v1/embeddings",  # OpenAI's wording, though the raw path does not start with /v1/
+        "//v2/models/vectors/infer",  # v2's 400 for a bad item, not /predict's 422
+        "/v2/models/caf\xc3\xa9/infer",  # the WSGI string of /v2/models/café/infer
+    ],
+)
+def test_a_path_flask_cleans_up_is_read_as_flask_reads_it(apps: dict[str, Flask], path_info: str) -> None:
+    body = _body(
+        {"model": "vectors", "inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], "data": [5]}]}
+    )
+    *direct, direct_views = _answer(apps["vectors"], "/", JSON, body, direct=True, path_info=path_info)
+    *flask, flask_views = _answer(apps["vectors"], "/", JSON, body, direct=False, path_info=path_info)
+    assert (direct_views, flask_views) == (0, 1)
+    assert direct == flask
+    assert direct[0].startswith(("400", "404"))
+
+
+def test_a_refusal_is_held_as_flask_holds_it(apps: dict[str, Flask], monkeypatch: pytest.MonkeyPatch) -> None:
+    runtime = apps["open"].extensions[EXTENSION]
+
+    def loading() -> Any:
+        raise NotReady("the model is still loading", retry_after_s=2)
+
+    monkeypatch.setattr(runtime, "require_ready", loading)
+    body = _body({"inputs": ["x"]})
+    *direct, _ = _answer(apps["open"], "/predict/batched", JSON, body, direct=True)
+    *flask, _ = _answer(apps["open"], "/predict/batched", JSON, body, direct=False)
+    assert direct == flask
+    status, headers, _, held = direct
+    assert status == "503 SERVICE UNAVAILABLE"
+    assert ("Retry-After", "2") in headers
+    assert held is not None  # the worker is asked to hold the connection, both ways
+
+
+def test_a_fault_while_answering_an_error_is_still_a_json_500(
+    apps: dict[str, Flask], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(direct_module, "answer_error", broken)
+    response = apps["open"].test_client().post("/predict", json={"inputs": []})  # a 422, then the fault
+    assert response.status_code == 500
+    assert response.json == {"error": "internal server error; see the service log"}
+    assert REQUEST_ID_HEADER in response.headers  # through the access middleware, as any answer
+    assert any("no space left" in (r.exc_text or "") for r in caplog.records)
 
 
 @pytest.mark.parametrize("method", ["GET", "PUT", "HEAD"])
