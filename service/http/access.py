@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from flask import Request, request
+from flask import Request
 from werkzeug.routing import Rule
 from werkzeug.wsgi import get_path_info
 
@@ -64,12 +64,6 @@ def request_id(given: str | None) -> str:
     if given is not None and _SANE_REQUEST_ID.fullmatch(given):
         return given
     return f"{random.getrandbits(128):032x}"
-
-
-def current_request_id() -> str | None:
-    """The id of the request being handled (within a Flask request)."""
-    rid: str | None = request.environ.get(REQUEST_ID_ENVIRON_KEY)
-    return rid
 
 
 def note_batch_size(environ: dict[str, Any], size: int) -> None:

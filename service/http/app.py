@@ -17,7 +17,7 @@ from service.runtime import ModelRuntime
 from service.settings import Settings
 
 # The routes service.http.direct answers: the protocols' busiest inference routes.
-DIRECT = {**routes.DIRECT, **openai_api.DIRECT, **v2.DIRECT}
+DIRECT = {**routes.DIRECT, **openai_api.DIRECT, **v2.DIRECT, **rerank.DIRECT}
 
 
 def create_app(settings: Settings | None = None) -> Flask:

@@ -13,8 +13,8 @@ from a request hook; both see every route (``service.http.access``,
 
 ``serve_batched`` and ``serve_naive`` take the request's WSGI environ rather
 than Flask's request, so that the direct routes run them without a request
-context; ``run_batched`` and ``run_naive`` are the same for a Flask view. A
-route both answer is a ``Handler`` giving an ``Answer``, which either writes.
+context. Each inference route is a ``Handler`` giving an ``Answer``, which the
+direct routes and the route's Flask view (``Answer.response``) write alike.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from flask import Response, current_app, request
+from flask import Response, current_app
 from werkzeug.exceptions import HTTPException
 from werkzeug.wsgi import get_input_stream
 
@@ -105,16 +105,6 @@ class Batched:
     batch_size: int
 
 
-def run_batched(parse: Parser) -> Batched:
-    """Within a Flask request: ``serve_batched`` for it."""
-    return serve_batched(runtime(), request.environ, parse)
-
-
-def run_naive(parse: Parser) -> Batched:
-    """Within a Flask request: ``serve_naive`` for it."""
-    return serve_naive(runtime(), request.environ, parse)
-
-
 def serve_batched(rt: ModelRuntime, environ: dict[str, Any], parse: Parser) -> Batched:
     """Parse the request's body with ``parse`` and run its items through the worker's batcher."""
     # From the request's arrival (service.http.door), not from now: its wait for
@@ -164,12 +154,12 @@ class Answer:
 Handler = Callable[[ModelRuntime, dict[str, Any], Mapping[str, Any]], Answer]
 
 
+def json_answer(document: object, batch_size: int) -> Answer:
+    """A JSON document, as json_response writes it, with the batch size the request ran in."""
+    body = orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
+    return Answer(body, "application/json", (batch_size_header(batch_size),))
+
+
 def batch_size_header(batch_size: int) -> tuple[str, str]:
     # Lets a client (and the tests) see batching at work without scraping metrics.
     return BATCH_SIZE_HEADER, str(batch_size)
-
-
-def with_batch_size(response: Response, batch_size: int) -> Response:
-    name, value = batch_size_header(batch_size)
-    response.headers[name] = value
-    return response

@@ -18,12 +18,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import orjson
 from flask import Blueprint, Flask, Response, current_app, request
 
 from service.errors import ModelError, ServeError
 from service.http import v2_codec
-from service.http.inference import Answer, Handler, batch_size_header, json_response, runtime, serve_batched
+from service.http.inference import Answer, Handler, json_answer, json_response, runtime, serve_batched
 from service.http.payload import load_json, prepare_items, require_json
 from service.models import Model
 from service.models.base import EMBEDDINGS, GENERIC, RERANK, item_sizer, json_type, task_of
@@ -103,8 +102,7 @@ def answer_embeddings(rt: ModelRuntime, environ: dict[str, Any], args: Mapping[s
         "model": done.model.name,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
-    body = orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
-    return Answer(body, "application/json", (batch_size_header(done.batch_size),))
+    return json_answer(document, done.batch_size)
 
 
 # Answered by service.http.direct in a served app; see service.http.routes.DIRECT.

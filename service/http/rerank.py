@@ -14,6 +14,7 @@ rerank; any other model answers 404 naming its task.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,11 +22,20 @@ import numpy as np
 from flask import Blueprint, Response, request
 
 from service.errors import ModelError, ServeError
-from service.http.access import current_request_id
-from service.http.inference import Batched, json_response, run_batched, run_naive, runtime, with_batch_size
+from service.http.access import REQUEST_ID_ENVIRON_KEY
+from service.http.inference import (
+    Answer,
+    Batched,
+    Handler,
+    json_answer,
+    runtime,
+    serve_batched,
+    serve_naive,
+)
 from service.http.payload import load_json, prepare_items, require_json
 from service.models import Model
 from service.models.base import MAX_TEXT_CHARS, RERANK, item_sizer, json_type, task_of
+from service.runtime import ModelRuntime
 
 bp = Blueprint("rerank", __name__)
 
@@ -59,34 +69,58 @@ class RerankRequest:
     items: list[Any]
 
 
+def answer_rerank(
+    rt: ModelRuntime,
+    environ: dict[str, Any],
+    args: Mapping[str, Any],
+    *,
+    version: int = 2,
+    naive: bool = False,
+) -> Answer:
+    asked: list[RerankRequest] = []
+
+    def parse(body: bytes, model: Model) -> list[Any]:
+        check_rerank_model(model)
+        require_json(environ.get("CONTENT_TYPE"))
+        document = load_json(body, EXAMPLE)
+        asked.append(parse_request(document, model, rt.settings.max_items_per_request))
+        return asked[0].items
+
+    done = serve_naive(rt, environ, parse) if naive else serve_batched(rt, environ, parse)
+    rid = environ.get(REQUEST_ID_ENVIRON_KEY) or uuid.uuid4().hex
+    return json_answer(render(done, asked[0], version, rid), done.batch_size)
+
+
+def answer_rerank_v1(rt: ModelRuntime, environ: dict[str, Any], args: Mapping[str, Any]) -> Answer:
+    return answer_rerank(rt, environ, args, version=1)
+
+
+def answer_rerank_naive(rt: ModelRuntime, environ: dict[str, Any], args: Mapping[str, Any]) -> Answer:
+    return answer_rerank(rt, environ, args, naive=True)
+
+
+# Answered by service.http.direct in a served app; see service.http.routes.DIRECT.
+DIRECT: dict[str, Handler] = {
+    "rerank.rerank_v1": answer_rerank_v1,
+    "rerank.rerank_v2": answer_rerank,
+    "rerank.rerank_naive": answer_rerank_naive,
+}
+
+
 @bp.post("/v1/rerank")
 def rerank_v1() -> Response:
-    return _rerank(version=1, naive=False)
+    return answer_rerank_v1(runtime(), request.environ, {}).response()
 
 
 @bp.post("/v2/rerank")
 @bp.post("/rerank/batched")
 def rerank_v2() -> Response:
-    return _rerank(version=2, naive=False)
+    return answer_rerank(runtime(), request.environ, {}).response()
 
 
 @bp.post("/rerank/naive")
 def rerank_naive() -> Response:
-    return _rerank(version=2, naive=True)
-
-
-def _rerank(version: int, *, naive: bool) -> Response:
-    asked: list[RerankRequest] = []
-
-    def parse(body: bytes, model: Model) -> list[Any]:
-        check_rerank_model(model)
-        require_json(request.content_type)
-        document = load_json(body, EXAMPLE)
-        asked.append(parse_request(document, model, runtime().settings.max_items_per_request))
-        return asked[0].items
-
-    done = run_naive(parse) if naive else run_batched(parse)
-    return with_batch_size(json_response(render(done, asked[0], version)), done.batch_size)
+    return answer_rerank_naive(runtime(), request.environ, {}).response()
 
 
 def check_rerank_model(model: Model) -> None:
@@ -157,7 +191,7 @@ def _top_n(top_n: Any, documents: int) -> int:
     return min(top_n, documents)
 
 
-def render(done: Batched, asked: RerankRequest, version: int) -> dict[str, Any]:
+def render(done: Batched, asked: RerankRequest, version: int, request_id: str) -> dict[str, Any]:
     try:
         scores = np.asarray(done.outputs, dtype=np.float64).reshape(len(asked.texts))
     except (TypeError, ValueError) as exc:
@@ -175,7 +209,7 @@ def render(done: Batched, asked: RerankRequest, version: int) -> dict[str, Any]:
     size = item_sizer(done.model)
     tokens = sum(size(item) for item in asked.items) if size is not None else 0
     return {
-        "id": current_request_id() or uuid.uuid4().hex,
+        "id": request_id,
         "results": results,
         "meta": {"api_version": {"version": str(version)}, "tokens": {"input_tokens": tokens}},
     }

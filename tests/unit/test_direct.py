@@ -9,6 +9,7 @@ and body must match, byte for byte, for answers and for every kind of error.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -33,7 +34,19 @@ SETTINGS = Settings(model="tests.support.models:quirky", max_items_per_request=4
 # A text model with vectors for outputs: what /v1/embeddings and v2's tensors need.
 VECTORS = SETTINGS.replace(model="tests.support.models:vectors")
 V2_LENGTH = "Inference-Header-Content-Length"
-VIEWS = ("serve.predict_batched", "serve.predict_naive", "openai.embeddings", "v2.infer")
+VIEWS = (
+    "serve.predict_batched",
+    "serve.predict_naive",
+    "openai.embeddings",
+    "v2.infer",
+    "rerank.rerank_v1",
+    "rerank.rerank_v2",
+    "rerank.rerank_naive",
+)
+# A rerank answer carries its request's id: both ways are sent the same one.
+RERANK_JSON = {**JSON, REQUEST_ID_HEADER: "rerank-1"}
+QUERY = "which animal purrs"
+DOCUMENTS = ["a cat purrs when content", "the stock market fell", "dogs bark at night"]
 
 Case = tuple[str, dict[str, str], bytes]
 
@@ -130,6 +143,41 @@ def _direct(app: Flask) -> Direct:
     return layer
 
 
+# Sent to a cross-encoder directory.
+RERANK_CASES: dict[str, Case] = {
+    "Cohere v1": ("/v1/rerank", RERANK_JSON, _body({"query": QUERY, "documents": DOCUMENTS, "top_n": 2})),
+    "Cohere v2, documents returned": (
+        "/v2/rerank",
+        RERANK_JSON,
+        _body({"query": QUERY, "documents": DOCUMENTS, "return_documents": True}),
+    ),
+    "batched": ("/rerank/batched", RERANK_JSON, _body({"query": QUERY, "documents": DOCUMENTS})),
+    "naive": ("/rerank/naive", RERANK_JSON, _body({"query": QUERY, "documents": DOCUMENTS})),
+    "Cohere, no query": ("/v2/rerank", RERANK_JSON, _body({"documents": DOCUMENTS})),
+    "Cohere, no documents": ("/v1/rerank", RERANK_JSON, _body({"query": QUERY, "documents": []})),
+    "Cohere, a bad top_n": (
+        "/v2/rerank",
+        RERANK_JSON,
+        _body({"query": QUERY, "documents": DOCUMENTS, "top_n": 0}),
+    ),
+    "Cohere, too many documents": (
+        "/v2/rerank",
+        RERANK_JSON,
+        _body({"query": QUERY, "documents": ["d"] * 5}),
+    ),
+    "Cohere, not json": ("/v2/rerank", RERANK_JSON, b"{"),
+    "naive, text/plain": ("/rerank/naive", {"Content-Type": "text/plain"}, b"x"),
+}
+
+
+@pytest.fixture(scope="module")
+def reranker(model_dirs: dict[str, Path]) -> Iterator[Flask]:
+    app = create_app(SETTINGS.replace(model=str(model_dirs["rerank"]), torch_threads=1))
+    wait_until_ready(app)
+    yield app
+    app.extensions[EXTENSION].stop(timeout=10)
+
+
 @pytest.fixture(scope="module")
 def apps() -> Iterator[dict[str, Flask]]:
     built = {
@@ -198,6 +246,23 @@ def test_the_direct_answer_is_flask_s_answer_on_every_protocol(apps: dict[str, F
     *flask, flask_views = _answer(apps["vectors"], path, headers, body, direct=False)
     assert (direct_views, flask_views) == (0, 1)
     assert direct == flask
+
+
+@pytest.mark.parametrize("case", RERANK_CASES)
+def test_the_direct_answer_is_flask_s_answer_on_rerank(reranker: Flask, case: str) -> None:
+    path, headers, body = RERANK_CASES[case]
+    *direct, direct_views = _answer(reranker, path, headers, body, direct=True)
+    *flask, flask_views = _answer(reranker, path, headers, body, direct=False)
+    assert (direct_views, flask_views) == (0, 1)
+    assert direct == flask
+
+
+def test_a_model_that_does_not_rerank_answers_the_rerank_routes_as_flask_does(apps: dict[str, Flask]) -> None:
+    body = _body({"query": QUERY, "documents": DOCUMENTS})
+    *direct, _ = _answer(apps["open"], "/v2/rerank", RERANK_JSON, body, direct=True)
+    *flask, _ = _answer(apps["open"], "/v2/rerank", RERANK_JSON, body, direct=False)
+    assert direct == flask
+    assert direct[0] == "404 NOT FOUND"
 
 
 @pytest.mark.parametrize(
