@@ -230,38 +230,41 @@ def _answer(
     return response.status, shown, response.data, held, len(calls)
 
 
+def _both_ways(
+    app: Flask, path: str, headers: dict[str, str], body: bytes, *, viewed: bool = True, **options: Any
+) -> tuple[Any, ...]:
+    """The answer, sent once each way; the two must be the same, and each way must really be taken.
+
+    ``viewed``: whether Flask's way reaches the view (not when its token hook refuses).
+    """
+    *direct, direct_views = _answer(app, path, headers, body, direct=True, **options)
+    *flask, flask_views = _answer(app, path, headers, body, direct=False, **options)
+    assert (direct_views, flask_views) == (0, int(viewed))
+    assert direct == flask
+    return tuple(direct)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_the_direct_answer_is_flask_s_answer(apps: dict[str, Flask], case: str) -> None:
     path, headers, body = CASES[case]
-    *direct, direct_views = _answer(apps["open"], path, headers, body, direct=True)
-    *flask, flask_views = _answer(apps["open"], path, headers, body, direct=False)
-    assert (direct_views, flask_views) == (0, 1)  # each way really was taken
-    assert direct == flask
+    _both_ways(apps["open"], path, headers, body)
 
 
 @pytest.mark.parametrize("case", PROTOCOL_CASES)
 def test_the_direct_answer_is_flask_s_answer_on_every_protocol(apps: dict[str, Flask], case: str) -> None:
     path, headers, body = PROTOCOL_CASES[case]
-    *direct, direct_views = _answer(apps["vectors"], path, headers, body, direct=True)
-    *flask, flask_views = _answer(apps["vectors"], path, headers, body, direct=False)
-    assert (direct_views, flask_views) == (0, 1)
-    assert direct == flask
+    _both_ways(apps["vectors"], path, headers, body)
 
 
 @pytest.mark.parametrize("case", RERANK_CASES)
 def test_the_direct_answer_is_flask_s_answer_on_rerank(reranker: Flask, case: str) -> None:
     path, headers, body = RERANK_CASES[case]
-    *direct, direct_views = _answer(reranker, path, headers, body, direct=True)
-    *flask, flask_views = _answer(reranker, path, headers, body, direct=False)
-    assert (direct_views, flask_views) == (0, 1)
-    assert direct == flask
+    _both_ways(reranker, path, headers, body)
 
 
 def test_a_model_that_does_not_rerank_answers_the_rerank_routes_as_flask_does(apps: dict[str, Flask]) -> None:
     body = _body({"query": QUERY, "documents": DOCUMENTS})
-    *direct, _ = _answer(apps["open"], "/v2/rerank", RERANK_JSON, body, direct=True)
-    *flask, _ = _answer(apps["open"], "/v2/rerank", RERANK_JSON, body, direct=False)
-    assert direct == flask
+    direct = _both_ways(apps["open"], "/v2/rerank", RERANK_JSON, body)
     assert direct[0] == "404 NOT FOUND"
 
 
@@ -277,9 +280,7 @@ def test_a_model_that_does_not_rerank_answers_the_rerank_routes_as_flask_does(ap
 )
 def test_the_token_check_answers_as_flask_s_does(apps: dict[str, Flask], headers: dict[str, str]) -> None:
     body = _body({"inputs": ["x"]})
-    *direct, _ = _answer(apps["guarded"], "/predict/batched", headers, body, direct=True)
-    *flask, _ = _answer(apps["guarded"], "/predict/batched", headers, body, direct=False)
-    assert direct == flask
+    direct = _both_ways(apps["guarded"], "/predict/batched", headers, body, viewed=headers is AUTHORIZED)
     assert direct[0] == ("200 OK" if headers is AUTHORIZED else "401 UNAUTHORIZED")
 
 
@@ -293,9 +294,7 @@ def test_an_unexpected_fault_is_a_500_that_names_nothing_of_it(
     # routes through their table.
     monkeypatch.setattr(routes, "serve_batched", broken)
     body = _body({"inputs": ["x"]})
-    *direct, _ = _answer(apps["open"], "/predict", JSON, body, direct=True)
-    *flask, _ = _answer(apps["open"], "/predict", JSON, body, direct=False)
-    assert direct == flask
+    direct = _both_ways(apps["open"], "/predict", JSON, body)
     assert direct[0] == "500 INTERNAL SERVER ERROR"
     assert b"secret detail" not in direct[2]
     assert sum("secret detail" in (r.exc_text or "") for r in caplog.records) == 2  # logged both ways
@@ -313,10 +312,7 @@ def test_a_path_flask_cleans_up_is_read_as_flask_reads_it(apps: dict[str, Flask]
     body = _body(
         {"model": "vectors", "inputs": [{"name": "input", "datatype": "BYTES", "shape": [1], "data": [5]}]}
     )
-    *direct, direct_views = _answer(apps["vectors"], "/", JSON, body, direct=True, path_info=path_info)
-    *flask, flask_views = _answer(apps["vectors"], "/", JSON, body, direct=False, path_info=path_info)
-    assert (direct_views, flask_views) == (0, 1)
-    assert direct == flask
+    direct = _both_ways(apps["vectors"], "/", JSON, body, path_info=path_info)
     assert direct[0].startswith(("400", "404"))
 
 
@@ -328,9 +324,7 @@ def test_a_refusal_is_held_as_flask_holds_it(apps: dict[str, Flask], monkeypatch
 
     monkeypatch.setattr(runtime, "require_ready", loading)
     body = _body({"inputs": ["x"]})
-    *direct, _ = _answer(apps["open"], "/predict/batched", JSON, body, direct=True)
-    *flask, _ = _answer(apps["open"], "/predict/batched", JSON, body, direct=False)
-    assert direct == flask
+    direct = _both_ways(apps["open"], "/predict/batched", JSON, body)
     status, headers, _, held = direct
     assert status == "503 SERVICE UNAVAILABLE"
     assert ("Retry-After", "2") in headers
