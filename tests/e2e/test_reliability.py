@@ -150,8 +150,12 @@ def test_a_burst_of_timeouts_leaves_nothing_behind() -> None:
         pid = int(ask(server, "pid"))
         rss: list[int] = []
         for _ in range(4):
-            with ThreadPoolExecutor(40) as pool:
-                sleeper = pool.submit(batched, server, "sleep:0.5")
+            # The burst must arrive while the sleeper runs, or the model, idle again, answers
+            # part of it in time: a thread for each request at once (the sleeper, 40, then 4;
+            # with fewer, the last of the burst waits for a thread), and a sleeper long enough
+            # for a loaded machine to see it busy and send the burst.
+            with ThreadPoolExecutor(45) as pool:
+                sleeper = pool.submit(batched, server, "sleep:1.0")
                 eventually(lambda: ask(server, "busy") == 1, "the model is busy")
                 burst = list(pool.map(lambda i: batched(server, f"t{i}", timeout_ms=50), range(40)))
                 overruns = [pool.submit(batched, server, "sleep:0.3", timeout_ms=100) for _ in range(4)]
