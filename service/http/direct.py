@@ -26,14 +26,12 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-import orjson
 from flask import Flask, Response
 from werkzeug.exceptions import HTTPException
-from werkzeug.routing import RequestRedirect
 from werkzeug.wsgi import get_path_info
 
 from service.http.access import REQUEST_ID_ENVIRON_KEY, RULE_ENVIRON_KEY
-from service.http.inference import Handler
+from service.http.inference import Handler, json_bytes
 from service.http.routes import check_token
 from service.http.shapes import INTERNAL_ERROR, answer_error, error_document
 
@@ -71,7 +69,7 @@ class Direct:
         path = "/" + path_info.lstrip("/")
         try:
             rule, args = self._urls.match(path_info, method="POST", return_rule=True)
-        except (HTTPException, RequestRedirect):
+        except HTTPException:
             return self._app(environ, start_response)  # a 404, a 405 or a redirect: Flask's to answer
         handler = self._handlers.get(rule.endpoint)
         if handler is None:
@@ -94,13 +92,13 @@ class Direct:
     def _error(self, exc: Exception, path: str, environ: dict[str, Any]) -> tuple[int, bytes, str, Headers]:
         try:
             said = answer_error(exc, path, environ, self._runtime.settings, self._metrics)
-            return said.status, orjson.dumps(said.document), _JSON, tuple(said.headers)
+            return said.status, json_bytes(said.document), _JSON, tuple(said.headers)
         except Exception:
             # As Flask does when its error handler fails: a plain 500, still JSON,
             # still through the access middleware for its line and metrics.
             log.exception("answering the error of request %s failed", environ.get(REQUEST_ID_ENVIRON_KEY))
             status, document = error_document(path, 500, INTERNAL_ERROR)
-            return status, orjson.dumps(document), _JSON, ()
+            return status, json_bytes(document), _JSON, ()
 
     def _status_line(self, status: int) -> str:
         line = self._status_lines.get(status)

@@ -50,10 +50,13 @@ def runtime() -> ModelRuntime:
     return rt
 
 
+def json_bytes(document: object) -> bytes:
+    """A JSON body as every route writes it; numpy arrays and scalars included."""
+    return orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
 def json_response(document: object, status: int = 200) -> Response:
-    return Response(
-        orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY), status=status, mimetype="application/json"
-    )
+    return Response(json_bytes(document), status=status, mimetype="application/json")
 
 
 def is_inference_path(path: str) -> bool:
@@ -156,8 +159,7 @@ Handler = Callable[[ModelRuntime, dict[str, Any], Mapping[str, Any]], Answer]
 
 def json_answer(document: object, batch_size: int) -> Answer:
     """A JSON document, as json_response writes it, with the batch size the request ran in."""
-    body = orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
-    return Answer(body, "application/json", (batch_size_header(batch_size),))
+    return Answer(json_bytes(document), "application/json", (batch_size_header(batch_size),))
 
 
 def batch_size_header(batch_size: int) -> tuple[str, str]:
