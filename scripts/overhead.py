@@ -5,6 +5,7 @@
     .venv/bin/python scripts/overhead.py --routes batched --seconds 10 --repeat 1
     .venv/bin/python scripts/overhead.py --worker-class gevent
     .venv/bin/python scripts/overhead.py --routes batched --repeat 1 --profile   # and where the time goes
+    .venv/bin/python scripts/overhead.py --rate 200 --routes batched,naive   # at a model's pace
 
 The model takes no time (scripts/free_model.py: each text in, the same 384 floats
 out), so what a request costs is the request path alone. Beside the service runs
@@ -20,6 +21,13 @@ and then every route of the service, each in a gunicorn of its own started for i
 the table gives medians over the rounds and the ratios against the bare handler.
 Both servers run with SERVE_*/gunicorn defaults otherwise: the service's access
 line, metrics, admission and request ids all stay on, as in production.
+
+With --rate R the load is open-loop instead (scripts/openloop.py, one process,
+outside the measured tree): R requests a second on a Poisson schedule, the pace a
+real model sets rather than the most a free one allows. A request then costs more
+than at saturation, for the bare handler too: each one wakes gunicorn's event loop
+and a thread of its own instead of sharing their turns with its neighbours, and
+what the request path takes at that pace is what it takes from the model's cores.
 
 With --profile it then runs the first route once more while py-spy samples one
 worker's Python, counting only the thread that holds the GIL (``--gil``), and
@@ -38,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
@@ -48,7 +57,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scripts.launcher import LaunchError, free_port, serve, stop  # noqa: E402
-from scripts.loadgen import run_load  # noqa: E402
+from scripts.loadgen import LoadResult, run_load  # noqa: E402
+from scripts.openloop import Request  # noqa: E402
+from scripts.openloop import run as run_open_loop  # noqa: E402
 from scripts.procs import children, cpu_split_seconds, voluntary_switches  # noqa: E402
 
 CORPUS = ROOT / "scripts" / "corpus" / "mixed.txt"
@@ -132,8 +143,9 @@ def main() -> int:
         "PYTHONPATH": str(ROOT),
     }
     threads = planned_threads(env)
+    load = f"{args.rate:g} req/s open-loop" if args.rate else f"{args.clients} clients"
     print(
-        f"{args.workers} workers x {threads} threads ({args.worker_class}), {args.clients} clients, "
+        f"{args.workers} workers x {threads} threads ({args.worker_class}), {load}, "
         f"{args.seconds:g} s a run, {args.repeat} round(s), {len(texts)} texts of {CORPUS.name}",
         flush=True,
     )
@@ -177,6 +189,9 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument(
+        "--rate", type=float, help="offer this many requests a second, open-loop, in place of --clients"
+    )
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--repeat", type=int, default=3, help="rounds; the table gives medians (0: none)")
     parser.add_argument("--workers", type=int, default=2)
@@ -255,9 +270,9 @@ def wait_answers(url: str, process: subprocess.Popen[bytes], log: object, timeou
 
 
 def measure(name: str, url: str, pid: int, bodies: list[bytes], args: argparse.Namespace) -> Run:
-    run_load(url, bodies, args.clients, WARM_UP_S)  # connections, caches, the batch thread's first batches
+    drive(url, bodies, args, WARM_UP_S)  # connections, caches, the batch thread's first batches
     user0, system0, switches0 = tree_counts(pid)
-    result = run_load(url, bodies, args.clients, args.seconds)
+    result = drive(url, bodies, args, args.seconds)
     user1, system1, switches1 = tree_counts(pid)
     user, system = user1 - user0, system1 - system0
     return Run(
@@ -270,6 +285,17 @@ def measure(name: str, url: str, pid: int, bodies: list[bytes], args: argparse.N
         system,
         switches1 - switches0,
     )
+
+
+def drive(url: str, bodies: list[bytes], args: argparse.Namespace, seconds: float) -> LoadResult:
+    """Closed-loop wrk with ``args.clients``, or with ``args.rate`` open-loop arrivals."""
+    if not args.rate:
+        return run_load(url, bodies, args.clients, seconds)
+    path = urllib.parse.urlsplit(url).path
+    outcomes = run_open_loop(url, [Request(body, path) for body in bodies], args.rate, seconds).outcomes
+    ok = sorted(o.latency_s for o in outcomes if o.status == "200")
+    p50, p90, p99 = (1000 * ok[int(q * (len(ok) - 1))] if ok else 0.0 for q in (0.5, 0.9, 0.99))
+    return LoadResult(0, seconds, len(ok), len(outcomes) - len(ok), p50, p90, p99, "openloop")
 
 
 def tree_counts(pid: int) -> tuple[float, float, int]:

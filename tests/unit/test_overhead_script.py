@@ -1,19 +1,24 @@
-"""scripts/overhead.py's pure parts: the free model, the bare app, and how samples are told apart."""
+"""scripts/overhead.py: the free model, the bare app, how samples are told apart, and its open-loop load."""
 
 from __future__ import annotations
 
+import argparse
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+import orjson
 
 from scripts import bare_flask, free_model
-from scripts.overhead import BARE, PARTS, ROUTES, Profile, Run, count_parts, part_of, table
+from scripts.overhead import BARE, PARTS, ROUTES, Profile, Run, count_parts, drive, part_of, table
+from scripts.overhead import bare_flask as bare_flask_server
 from scripts.procs import cpu_split_seconds, voluntary_switches
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "request_path.py"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "request_path.py"
 
 
 def test_the_free_model_answers_each_text_with_the_same_floats() -> None:
@@ -113,3 +118,17 @@ def test_the_in_process_measure_prints_each_route_against_the_bare_app() -> None
     assert [row.split(" | ")[0] for row in rows[3:]] == [f"| `{path}`" for path, _ in ROUTES.values()]
     assert all(float(row.split(" | ")[2].rstrip("x |")) > 0 for row in rows[3:])
     assert "function calls" in done.stdout  # the profile
+
+
+def test_with_a_rate_the_load_is_open_loop_arrivals_at_that_pace() -> None:
+    # A real gunicorn running the bare app; openloop.py sends on a fixed schedule,
+    # so the count is the rate times the time, whatever the server's own speed.
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = argparse.Namespace(rate=40.0, clients=64)
+    bodies = [orjson.dumps({"inputs": [text]}) for text in ("a short text", "a longer text, still short")]
+    with bare_flask_server(env, 1, 4, "gthread") as (url, _):
+        result = drive(url + "/predict", bodies, args, 1.0)
+    assert result.generator == "openloop"
+    assert result.errors == 0
+    assert 20 <= result.requests <= 70  # Poisson: about 40
+    assert 0 < result.p50_ms <= result.p99_ms
