@@ -14,7 +14,10 @@ the model's sample item, with no HTTP, over every workers x torch-threads split 
 cores, all processes busy at once. With --corpus (a text model; one text per line, one text per
 request, cycling) the offline limit is measured on the same texts, in windows of SERVE_MAX_BATCH_SIZE
 run padded as they come, sorted by length in chunks of 1 to 16, and cut by the batcher's cost
-model: the best of them is the limit. With --rerank N (a cross-encoder, and --corpus) each request
+model: the best of them is the limit. Beside it, with --corpus, the batcher without HTTP: the
+worker's own batcher in each of the service's processes, fed by as many threads as the sweep's
+most clients give a process, each tokenizing a text and waiting for its answer; between it and the
+service at that many clients is what HTTP costs. With --rerank N (a cross-encoder, and --corpus) each request
 is a rerank of N consecutive lines of the corpus against a query that is another of its lines, sent
 to /rerank/naive and /rerank/batched; throughput counts (query, document) pairs, and the offline
 limit is measured on the same pairs, the same ways. Writes results.md, results.json, results.csv,
@@ -40,7 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.launcher import LaunchError, serve  # noqa: E402
+from scripts.launcher import LaunchError, planned_workers, serve  # noqa: E402
 from scripts.loadgen import LoadResult, check_loopback, run_load  # noqa: E402
 from service.models.base import sample_item  # noqa: E402
 
@@ -79,7 +82,10 @@ def main() -> None:
         check_rerank_settings(env, args.rerank)
     pairs = [[query, doc] for query, docs in reranks for doc in docs] if reranks else None
     measured = pairs or corpus  # what the service gets as items, in the order it gets them
-    offline = None if args.url or args.no_offline else offline_limit(env, args.offline_seconds, measured)
+    clients = max(int(c) for c in args.concurrency.split(","))
+    offline = (
+        None if args.url or args.no_offline else offline_limit(env, args.offline_seconds, measured, clients)
+    )
     with service(args.url, env) as url:
         info = get_json(url + "/info")
         if reranks is not None:
@@ -219,7 +225,14 @@ def check_rerank_settings(env: dict[str, str], documents: int) -> None:
         )
 
 
-def offline_limit(env: dict[str, str], seconds: float, corpus: list[Any] | None = None) -> dict[str, Any]:
+def offline_limit(
+    env: dict[str, str], seconds: float, corpus: list[Any] | None = None, clients: int | None = None
+) -> dict[str, Any]:
+    """The offline limit over every split; with a corpus and ``clients``, the batcher without HTTP too.
+
+    The batcher is measured on the split the service runs (its workers), with
+    ``clients`` shared among them, and is kept apart from the offline figures.
+    """
     from scripts.offline import OfflineError, Strategy, measure, splits_for
     from service.settings import Settings
     from service.topology.inventory import read_inventory
@@ -228,14 +241,23 @@ def offline_limit(env: dict[str, str], seconds: float, corpus: list[Any] | None 
     cores = read_inventory().usable_cores  # CPU affinity and cgroup quota
     window = settings.max_batch_size
     strategies = [Strategy(window), *(Strategy(window, chunk=k) for k in CHUNKS), Strategy(window, cost=True)]
-    results = []
+    served = planned_workers(env)
+    results, batcher = [], None
     for split in splits_for(cores):
+        through = [Strategy(window, clients=max(1, clients // split.workers))]
+        extra = through if corpus is not None and clients and split.workers == served else []
         try:
-            found = measure(settings, split, [window], seconds=seconds, corpus=corpus, strategies=strategies)
+            found = measure(
+                settings, split, [window], seconds=seconds, corpus=corpus, strategies=strategies + extra
+            )
         except OfflineError as exc:
             raise SystemExit(f"bench: {exc}") from None
         for m in found:
             how = m.strategy or f"batch {m.batch_size}"
+            if extra and m.strategy == str(extra[0]):
+                print(f"{how} a process, {split}: {m.items_per_s:.0f} items/s", flush=True)
+                batcher = {"items_per_s": m.items_per_s, "split": str(split), "clients": extra[0].clients}
+                continue
             print(
                 f"offline {split}, {how}: {m.items_per_s:.0f} items/s "
                 f"({m.batch_ms_median:.1f} ms per {'window' if m.strategy else 'batch'})",
@@ -256,6 +278,7 @@ def offline_limit(env: dict[str, str], seconds: float, corpus: list[Any] | None 
         "strategy": best["strategy"],
         "batch_size": window,
         "splits": results,
+        "batcher": batcher,
     }
 
 
@@ -416,6 +439,7 @@ def markdown(report: dict[str, Any], rows: list[Row], offline: dict[str, Any] | 
             + ")"
         )
         lines.append("")
+        lines += batcher_line(offline.get("batcher"), rows, unit)
     lines += [
         f"| route | clients | req/s | {unit}/s | p50 ms | p90 ms | p99 ms | errors | mean batch |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -431,6 +455,22 @@ def markdown(report: dict[str, Any], rows: list[Row], offline: dict[str, Any] | 
         lines += ["", "| target | measured | met |", "| --- | ---: | --- |"]
         lines += [f"| {name} | {value} | {'yes' if ok else 'NO'} |" for name, value, ok in checks]
     return "\n".join(lines) + "\n"
+
+
+def batcher_line(batcher: dict[str, Any] | None, rows: list[Row], unit: str) -> list[str]:
+    """The batcher without HTTP, and how near the batched route came to it at the most clients."""
+    if not batcher:
+        return []
+    served = [r for r in rows if r.route == "batched"]
+    line = (
+        f"Batcher without HTTP: **{batcher['items_per_s']:.0f} {unit}/s** (split {batcher['split']}, "
+        f"{batcher['clients']} clients a process)"
+    )
+    if served:
+        top = max(served, key=lambda r: r.clients)
+        ratio = top.items_per_s / batcher["items_per_s"]
+        line += f"; the batched route at {top.clients} clients reaches {ratio:.2f} x of it, the rest is HTTP"
+    return [line + ".", ""]
 
 
 def units(report: dict[str, Any]) -> str:

@@ -20,6 +20,12 @@
 #   fixed size, or sorted and cut by the batcher's own cost model
 #   (service.batching.subbatch), so the offline limit on real text is measured
 #   the ways a batcher could run it.
+# - One more corpus strategy is not offline: the batcher without HTTP
+#   (Strategy.clients). The worker's own Batcher (service.runtime.new_batcher)
+#   runs on the model while that many threads each prepare a corpus item and
+#   wait for its answer, as request threads do. Between it and the offline
+#   limit lies what batching costs (hand-offs, the batches clients leave it);
+#   between it and the service, what HTTP costs.
 # - Used by scripts/bench.py (the offline limit) and scripts/tune.py (the
 #   batch-latency curve behind the recommended settings).
 
@@ -66,8 +72,11 @@ class Strategy:
     chunk: int | None = None  # sorted by size, then chunks of this many; None with cost=False: padded
     cost: bool = False  # sorted and cut by the batcher's cost model under SERVE_MAX_BATCH_TOKENS
     max_tokens: int | None = None  # the cut's token budget; None: SERVE_MAX_BATCH_TOKENS
+    clients: int | None = None  # instead: through the worker's batcher, from this many threads
 
     def __str__(self) -> str:
+        if self.clients is not None:
+            return f"batcher without HTTP, {self.clients} clients"
         if self.cost and self.max_tokens is not None:
             return f"{self.window} sorted, cut by cost within {self.max_tokens} tokens"
         if self.cost:
@@ -281,6 +290,9 @@ def _measure_corpus(
         raise ValueError("the cost calibration observed no model call")
     report = []
     for strategy in strategies:
+        if strategy.clients is not None:
+            report.append(_through_batcher(settings, model, corpus, strategy.clients, seconds, barrier))
+            continue
 
         def calls(window: list[Any], strategy: Strategy = strategy) -> list[list[Any]]:
             if not (strategy.cost or strategy.chunk):
@@ -322,3 +334,53 @@ def _measure_corpus(
             window_times.append(time.monotonic() - started)
         report.append((done / (time.monotonic() - begin), window_times))
     return report
+
+
+# Time the batcher's threads run before the measured span: its first batches,
+# its cost model's first live calls and the clients' first round trips.
+BATCHER_WARM_UP_S = 1.0
+
+
+def _through_batcher(
+    settings: Settings, model: Any, corpus: list[Any], clients: int, seconds: float, barrier: Any
+) -> tuple[float, list[float]]:
+    """Items/s of ``clients`` threads sending corpus items through the worker's batcher, one at a time.
+
+    Each thread prepares its item itself (a text model tokenizes it), submits
+    it, and waits for the answer, as a request thread does; the batch thread
+    gathers and cuts the batches as in a worker, without the door's latency
+    budget (nothing here is late). Answers within the measured span count;
+    the second value holds their round trips.
+    """
+    from service.runtime import new_batcher
+
+    batcher = new_batcher(settings, model)
+    batcher.start()
+    barrier.wait(BARRIER_TIMEOUT_S)
+    begin = time.monotonic() + BATCHER_WARM_UP_S
+    end = begin + seconds
+    answered: list[list[float]] = [[] for _ in range(clients)]
+    failures: list[BaseException] = []
+
+    def client(index: int) -> None:
+        position = index * len(corpus) // clients
+        try:
+            while (sent := time.monotonic()) < end:
+                item = model.prepare(corpus[position % len(corpus)])
+                position += 1
+                batcher.submit([item], deadline=sent + BARRIER_TIMEOUT_S).future.result()
+                if (done := time.monotonic()) >= begin and done <= end:
+                    answered[index].append(done - sent)
+        except BaseException as exc:  # reported by the measuring process, below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=client, args=(index,), daemon=True) for index in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    batcher.stop(BARRIER_TIMEOUT_S)
+    if failures:
+        raise failures[0]
+    round_trips = [t for times in answered for t in times]
+    return len(round_trips) / seconds, round_trips

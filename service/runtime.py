@@ -108,22 +108,7 @@ class ModelRuntime:
             self.load_error = f"model {self.settings.model!r} failed to load: {type(exc).__name__}: {exc}"
             return
         self.load_seconds = time.monotonic() - started
-        policy = GatherPolicy(
-            delay_s=self.settings.max_batch_delay_ms / 1000,
-            adaptive=self.settings.batch_gather == "adaptive",
-        )
-        sizer = item_sizer(model)
-        batcher = Batcher(
-            model.predict,
-            max_batch_size=self.settings.max_batch_size,
-            queue_limit=self.settings.queue_limit,
-            policy=policy,
-            observer=self.observer,
-            sizer=sizer,
-            max_tokens=self.settings.max_batch_tokens,
-            cost=None if sizer is None else _calibrated(model, sizer, self.settings.max_batch_size),
-            admission=self.admission,
-        )
+        batcher = new_batcher(self.settings, model, observer=self.observer, admission=self.admission)
         batcher.start()
         self.model, self.batcher = model, batcher
         notify(self.observer.on_model_loaded, model.device, self.load_seconds)
@@ -179,6 +164,34 @@ class ModelRuntime:
             return True
         # After a fault the thread may never end; its requests have had their 503.
         return self.batcher.stop(0 if self.failure is not None else timeout)
+
+
+def new_batcher(
+    settings: Settings,
+    model: Model,
+    *,
+    observer: BatchObserver | None = None,
+    admission: AdmissionRule | None = None,
+) -> Batcher:
+    """The batcher a worker runs ``model`` with under ``settings``, not yet started.
+
+    A model that reports item sizes gets its cost model measured here, first.
+    scripts/offline.py builds the same one to measure the batcher without HTTP.
+    """
+    sizer = item_sizer(model)
+    return Batcher(
+        model.predict,
+        max_batch_size=settings.max_batch_size,
+        queue_limit=settings.queue_limit,
+        policy=GatherPolicy(
+            delay_s=settings.max_batch_delay_ms / 1000, adaptive=settings.batch_gather == "adaptive"
+        ),
+        observer=observer,
+        sizer=sizer,
+        max_tokens=settings.max_batch_tokens,
+        cost=None if sizer is None else _calibrated(model, sizer, settings.max_batch_size),
+        admission=admission,
+    )
 
 
 def _calibrated(model: Model, size: Callable[[Any], int], max_rows: int) -> CostModel:

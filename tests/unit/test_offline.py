@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.offline import OfflineError, Split, measure
+from scripts.offline import OfflineError, Split, Strategy, measure
 from service.settings import Settings
 
 # Each case spawns processes that import torch.
@@ -28,6 +28,24 @@ def test_a_factory_model_is_measured_on_its_own_sample_item() -> None:
     results = measure(settings("echo"), Split(2, 1), [1, 4], seconds=0.2, warmup=1)
     assert [m.batch_size for m in results] == [1, 4]
     assert all(m.items_per_s > 0 and m.batch_ms_median >= 0 for m in results)
+    assert not mp.active_children()
+
+
+def test_a_corpus_runs_offline_and_through_the_workers_batcher_from_client_threads() -> None:
+    texts = [" ".join(["word"] * (1 + k % 7)) for k in range(40)]
+    offline, batcher = measure(
+        settings("sized_echo"),
+        Split(2, 1),
+        [],
+        seconds=0.3,
+        corpus=texts,
+        strategies=[Strategy(8, cost=True), Strategy(8, clients=4)],
+    )
+    assert offline.strategy == "8 sorted, cut by cost"
+    assert batcher.strategy == "batcher without HTTP, 4 clients"
+    # Answers counted in the measured span, from both processes; their round trips.
+    assert offline.items_per_s > 0 and batcher.items_per_s > 0
+    assert batcher.batch_ms_median > 0
     assert not mp.active_children()
 
 
