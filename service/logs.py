@@ -63,8 +63,11 @@ class LineWriter(logging.Handler):
     # Lines joined into one write at most; a burst larger than this takes several.
     MAX_LINES_PER_WRITE = 256
     # After a write the thread lets lines gather this long before the next: woken
-    # for every line, it would cost each request a thread switch.
-    GATHER_S = 0.01
+    # for every line, it would cost each request a thread switch. At a model's
+    # pace (a hundred requests a second a worker) 10 ms still meant one wake a
+    # line; 50 ms takes about one switch off each request (docs/benchmarks.md),
+    # and a line is still out within a twentieth of a second.
+    GATHER_S = 0.05
     # Lines waiting at most. Past this the stream is blocked (a stalled reader of
     # stdout): new lines are dropped and counted rather than held without bound.
     MAX_QUEUED = 10_000
