@@ -15,10 +15,10 @@ import torch
 
 from service.models.base import CLASSIFICATION
 from service.models.hf import (
+    Encoder,
     Tokens,
     check_text,
     directory_name,
-    encode,
     load_tokenizer,
     pad,
     position_limit,
@@ -47,10 +47,11 @@ class SequenceClassifierModel:
         self._labels = [str(config.id2label[i]) for i in range(config.num_labels)]
         self._problem = config.problem_type
         self._max_length = position_limit(self._tokenizer, config)
+        self._encode = Encoder(self._tokenizer, max_length=self._max_length)
         self._pad_id = self._tokenizer.pad_token_id or 0
 
     def prepare(self, item: Any) -> Tokens:
-        return encode(self._tokenizer, check_text(item), max_length=self._max_length)
+        return self._encode(check_text(item))
 
     def item_size(self, item: Tokens) -> int:
         return len(item.ids)

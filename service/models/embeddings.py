@@ -17,10 +17,10 @@ import torch
 
 from service.models.base import EMBEDDINGS
 from service.models.hf import (
+    Encoder,
     Tokens,
     check_text,
     directory_name,
-    encode,
     pad,
     position_limit,
     quiet_transformers,
@@ -41,6 +41,7 @@ class SentenceEmbeddingModel:
         self._tokenizer = self._model.tokenizer
         # The directory's sentence_bert_config.json; without one, the tokenizer's limit.
         self._max_length = self._model.max_seq_length or position_limit(self._tokenizer, None)
+        self._encode = Encoder(self._tokenizer, max_length=self._max_length)
         self._pad_id = self._tokenizer.pad_token_id or 0
         dimension = self._model.get_embedding_dimension()
         # A text model's item_shape is what it returns for one item (service.http.v2_codec).
@@ -48,7 +49,7 @@ class SentenceEmbeddingModel:
 
     def prepare(self, item: Any) -> Tokens:
         """Check and tokenize one text in the request thread, truncated to the directory's max_seq_length."""
-        return encode(self._tokenizer, check_text(item), max_length=self._max_length)
+        return self._encode(check_text(item))
 
     def item_size(self, item: Tokens) -> int:
         return len(item.ids)

@@ -17,10 +17,10 @@ import torch
 
 from service.models.base import FILL_MASK
 from service.models.hf import (
+    Encoder,
     Tokens,
     check_text,
     directory_name,
-    encode,
     load_tokenizer,
     pad,
     position_limit,
@@ -54,11 +54,12 @@ class MaskedLMModel:
         self.mask_token: str = self._tokenizer.mask_token
         self._mask_id: int = self._tokenizer.mask_token_id
         self._max_length = position_limit(self._tokenizer, self._model.config)
+        self._encode = Encoder(self._tokenizer, max_length=None)
         self._pad_id = self._tokenizer.pad_token_id or 0
 
     def prepare(self, item: Any) -> Tokens:
         text = check_text(item)
-        tokens = encode(self._tokenizer, text, max_length=None)
+        tokens = self._encode(text)
         if self._mask_id not in tokens.ids:
             raise ValueError(
                 f"the text has no {self.mask_token}; put {self.mask_token} where a word is to be filled"

@@ -67,6 +67,55 @@ def encode(tokenizer: Any, text: str, pair: str | None = None, *, max_length: in
     return Tokens(list(encoded["input_ids"]), list(type_ids) if type_ids is not None else None)
 
 
+class Encoder:
+    """``encode`` for one tokenizer and limit, made by its Rust core directly when it has one.
+
+    A fast tokenizer's ``__call__`` is a Python layer over that core: it checks
+    its input, sets truncation and padding on the core at every call, encodes a
+    batch of one and builds a BatchEncoding. In the request thread that layer
+    cost more than the encoding itself, and beside a busy model the whole took
+    about 0.2 ms a text (docs/benchmarks.md). The core is copied, so that the
+    settings the tokenizer writes into its own at each call never reach this
+    one, and set up as ``tokenizer(text, pair, truncation=..., max_length=...)``
+    sets it: truncation longest first on the tokenizer's side, no padding,
+    special tokens added. Ids and segment ids are the same (tests compare them
+    on the models of this project). A tokenizer with no Rust core (a slow one)
+    goes through ``encode``.
+    """
+
+    def __init__(self, tokenizer: Any, *, max_length: int | None) -> None:
+        self._tokenizer = tokenizer
+        self._max_length = max_length
+        # As transformers decides whether to return them: by the model's inputs.
+        self._type_ids = "token_type_ids" in getattr(tokenizer, "model_input_names", ())
+        self._core = _core_copy(tokenizer)
+        if self._core is not None:
+            self._core.no_padding()
+            if max_length is None:
+                self._core.no_truncation()
+            else:
+                direction = getattr(tokenizer, "truncation_side", "right")
+                self._core.enable_truncation(max_length, strategy="longest_first", direction=direction)
+
+    def __call__(self, text: str, pair: str | None = None) -> Tokens:
+        if self._core is None:
+            return encode(self._tokenizer, text, pair, max_length=self._max_length)
+        # transformers encodes an empty pair as no pair at all; so does this.
+        encoding = self._core.encode(text, pair or None)
+        return Tokens(encoding.ids, encoding.type_ids if self._type_ids else None)
+
+
+def _core_copy(tokenizer: Any) -> Any:
+    """A copy of a fast tokenizer's ``tokenizers.Tokenizer``, or None for a tokenizer without one."""
+    core = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if core is None:
+        return None
+    from tokenizers import Tokenizer
+
+    # to_str carries the truncation and padding set on it last: both are set afresh by the caller.
+    return Tokenizer.from_str(core.to_str())
+
+
 def pad(batch: list[Tokens], pad_id: int, device: str) -> dict[str, torch.Tensor]:
     """The batch as a model's keyword arguments, padded on the right to its longest item."""
     longest = max(len(item.ids) for item in batch)

@@ -14,22 +14,15 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from service.models.base import EMBEDDINGS, MAX_TEXT_CHARS, json_type
+from service.models.hf import Encoder, Tokens
 
 MAX_CHARS = MAX_TEXT_CHARS
-
-
-@dataclass(frozen=True, slots=True)
-class Encoded:
-    """A text tokenized in the request thread: its token ids, truncated, [CLS] and [SEP] included."""
-
-    ids: list[int]
 
 
 class MiniLMModel:
@@ -53,6 +46,7 @@ class MiniLMModel:
         # The weights ship with the package: nothing here may reach for the Hub.
         self._tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self._max_length = json.loads((path / "sentence_bert_config.json").read_text())["max_seq_length"]
+        self._encode = Encoder(self._tokenizer, max_length=self._max_length)
         self._pad_id = self._tokenizer.pad_token_id or 0
         embedder = _Embedder(AutoModel.from_pretrained(path, local_files_only=True)).eval().to(device)
         # Traced, the forward pass is one call that drops the GIL once. Eagerly,
@@ -62,39 +56,35 @@ class MiniLMModel:
         # docs/benchmarks.md). The example is padded so that the attention mask's
         # path is the one traced; the tests compare against sentence-transformers
         # on batches of mixed lengths.
-        example = self._pad([self._tokenize("a"), self._tokenize("a longer example, so that one is padded")])
+        example = self._pad([self._encode("a"), self._encode("a longer example, so that one is padded")])
         with warnings.catch_warnings(), torch.inference_mode():
             # The tracer warns about Python values frozen into the trace: shape
             # checks inside transformers that hold for every batch shape.
             warnings.simplefilter("ignore")
             self._embed = torch.jit.trace(embedder, example)  # type: ignore[no-untyped-call]
 
-    def prepare(self, item: Any) -> Encoded:
+    def prepare(self, item: Any) -> Tokens:
         """Check and tokenize one text, in the request thread: the batch thread only pads."""
         if not isinstance(item, str):
             raise ValueError(f"expected a string, got {json_type(item)}")
         if len(item) > MAX_CHARS:
             raise ValueError(f"text is {len(item)} characters; the limit is {MAX_CHARS}")
-        return self._tokenize(item)
+        return self._encode(item)
 
-    def item_size(self, item: Encoded) -> int:
+    def item_size(self, item: Tokens) -> int:
         """Its token count: what a padded batch's cost and memory grow with."""
         return len(item.ids)
 
     def predict(self, batch: list[Any]) -> np.ndarray:
         """Embeddings of prepared items (or plain strings, tokenized here)."""
-        encoded = [item if isinstance(item, Encoded) else self._tokenize(item) for item in batch]
+        encoded = [item if isinstance(item, Tokens) else self._encode(item) for item in batch]
         ids, mask = self._pad(encoded)
         with torch.inference_mode():
             embeddings = self._embed(ids, mask)
         out: np.ndarray = embeddings.float().cpu().numpy()
         return out
 
-    def _tokenize(self, text: str) -> Encoded:
-        ids = self._tokenizer(text, truncation=True, max_length=self._max_length)["input_ids"]
-        return Encoded(list(ids))
-
-    def _pad(self, batch: list[Encoded]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pad(self, batch: list[Tokens]) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and attention mask, padded to the batch's longest item."""
         longest = max(len(item.ids) for item in batch)
         ids = np.full((len(batch), longest), self._pad_id, dtype=np.int64)

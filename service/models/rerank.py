@@ -21,10 +21,10 @@ import torch
 
 from service.models.base import RERANK, json_type
 from service.models.hf import (
+    Encoder,
     Tokens,
     check_text,
     directory_name,
-    encode,
     load_tokenizer,
     pad,
     position_limit,
@@ -54,6 +54,7 @@ class CrossEncoderModel:
             .to(device)
         )
         self._max_length = position_limit(self._tokenizer, self._model.config)
+        self._encode = Encoder(self._tokenizer, max_length=self._max_length)
         self._pad_id = self._tokenizer.pad_token_id or 0
         self._activation = default_activation(self._model.config)
 
@@ -67,7 +68,7 @@ class CrossEncoderModel:
             if not isinstance(text, str):
                 raise ValueError(f"the {what} must be a string, got {json_type(text)}")
             check_text(text, f"the {what}")
-        return encode(self._tokenizer, query, document, max_length=self._max_length)
+        return self._encode(query, document)
 
     def item_size(self, item: Tokens) -> int:
         """The pair's joint token count, special tokens included."""
