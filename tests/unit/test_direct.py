@@ -375,3 +375,46 @@ def test_a_path_of_no_direct_route_is_flask_s(apps: dict[str, Flask], path: str)
         layer._handlers = handlers
     assert direct.status_code in (308, 404, 405)
     assert (direct.status, direct.data) == (flask.status, flask.data)
+
+
+def test_a_paths_match_is_remembered_and_each_path_keeps_its_own(
+    apps: dict[str, Flask], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = apps["vectors"]
+    layer = _direct(app)
+    layer._matches.clear()
+    matched: list[str] = []
+    werkzeug_match = layer._urls.match
+
+    def counted(path_info: str, **options: Any) -> Any:
+        matched.append(path_info)
+        return werkzeug_match(path_info, **options)
+
+    monkeypatch.setattr(layer._urls, "match", counted)
+    client = app.test_client()
+    body = _tensor(["hello"])
+    first = client.post("/v2/models/vectors/infer", data=body, headers=JSON)
+    again = client.post("/v2/models/vectors/infer", data=body, headers=JSON)
+    other = client.post("/v2/models/someone-else/infer", data=body, headers=JSON)
+    missing = [client.post("/nowhere", data=body, headers=JSON) for _ in range(2)]
+    assert (first.status_code, again.status_code, other.status_code) == (200, 200, 404)
+    assert first.get_json() == again.get_json()
+    assert "someone-else" in other.get_json()["error"]  # its own name, not the remembered one's
+    assert [r.status_code for r in missing] == [404, 404]
+    assert matched == ["/v2/models/vectors/infer", "/v2/models/someone-else/infer", "/nowhere"]
+
+
+def test_distinct_paths_do_not_grow_the_remembered_matches_without_bound(
+    apps: dict[str, Flask], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(direct_module, "MAX_REMEMBERED_PATHS", 8)
+    app = apps["open"]
+    layer = _direct(app)
+    layer._matches.clear()
+    client = app.test_client()
+    sizes = []
+    for k in range(20):
+        assert client.post(f"/v2/models/m{k}/infer", data=_tensor(["x"]), headers=JSON).status_code == 404
+        sizes.append(len(layer._matches))
+    assert max(sizes) == 8
+    assert client.post("/predict/batched", json={"inputs": ["hello"]}).status_code == 200
