@@ -78,9 +78,10 @@ class Encoder:
     settings the tokenizer writes into its own at each call never reach this
     one, and set up as ``tokenizer(text, pair, truncation=..., max_length=...)``
     sets it: truncation longest first on the tokenizer's side, no padding,
-    special tokens added. Ids and segment ids are the same (tests compare them
-    on the models of this project). A tokenizer with no Rust core (a slow one)
-    goes through ``encode``.
+    special tokens added, special tokens' text split or not as the tokenizer
+    splits it. Ids and segment ids are the same (tests compare them on the
+    models of this project). A tokenizer with no Rust core (a slow one), or of
+    a kind that changes what its call does, goes through ``encode``.
     """
 
     def __init__(self, tokenizer: Any, *, max_length: int | None) -> None:
@@ -90,6 +91,9 @@ class Encoder:
         self._type_ids = "token_type_ids" in getattr(tokenizer, "model_input_names", ())
         self._core = _core_copy(tokenizer)
         if self._core is not None:
+            # Whether special tokens' text in a client's input is split as text (the
+            # tokenizer's split_special_tokens); to_str does not carry it.
+            self._core.encode_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
             self._core.no_padding()
             if max_length is None:
                 self._core.no_truncation()
@@ -105,11 +109,23 @@ class Encoder:
         return Tokens(encoding.ids, encoding.type_ids if self._type_ids else None)
 
 
+# What a fast tokenizer's call runs, and so what a kind of tokenizer must not
+# override for its Rust core alone to make the same ids (some do: code_llama, dpr...).
+_CALL_PATH = ("__call__", "_encode_plus", "set_truncation_and_padding", "_convert_encoding")
+
+
 def _core_copy(tokenizer: Any) -> Any:
-    """A copy of a fast tokenizer's ``tokenizers.Tokenizer``, or None for a tokenizer without one."""
-    core = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
-    if core is None:
+    """A copy of a fast tokenizer's ``tokenizers.Tokenizer``; None unless its call is transformers' own."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers: its call, as before
         return None
+    if not isinstance(tokenizer, TokenizersBackend) or hasattr(tokenizer, "_switch_to_input_mode"):
+        return None
+    kind = type(tokenizer)
+    if any(getattr(kind, name, None) is not getattr(TokenizersBackend, name, None) for name in _CALL_PATH):
+        return None
+    core = tokenizer.backend_tokenizer
     from tokenizers import Tokenizer
 
     # to_str carries the truncation and padding set on it last: both are set afresh by the caller.

