@@ -111,20 +111,28 @@ class LineWriter(logging.Handler):
             native.start_thread(self._write_forever)
 
     def _write_forever(self) -> None:
-        queue = self._queue
         while True:
-            batch = [queue.get()]
-            while len(batch) < self.MAX_LINES_PER_WRITE:
-                try:
-                    batch.append(queue.get_nowait())
-                except native.Empty:
-                    break
-            self._write([item for item in batch if isinstance(item, logging.LogRecord)])
-            flushes = [item for item in batch if not isinstance(item, logging.LogRecord)]
-            for done in flushes:
-                done.release()  # a flush waiting for the lines before it
-            if not flushes:
+            if self._write_waiting(self._queue):
                 native.sleep(self.GATHER_S)
+
+    def _write_waiting(self, queue: Any) -> bool:
+        """Write the lines waiting in ``queue`` (blocking for one), a write's worth; whether to pause now.
+
+        A full write means more are waiting: no pause, or a fast worker's lines
+        would pile up past MAX_QUEUED (256 a pause caps it at 5,120 a second).
+        Nor after releasing a flush, whose caller waits for the lines after it.
+        """
+        batch = [queue.get()]
+        while len(batch) < self.MAX_LINES_PER_WRITE:
+            try:
+                batch.append(queue.get_nowait())
+            except native.Empty:
+                break
+        self._write([item for item in batch if isinstance(item, logging.LogRecord)])
+        flushes = [item for item in batch if not isinstance(item, logging.LogRecord)]
+        for done in flushes:
+            done.release()  # a flush waiting for the lines before it
+        return not flushes and len(batch) < self.MAX_LINES_PER_WRITE
 
     def _write(self, records: list[logging.LogRecord]) -> None:
         lines = []

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import pytest
 from flask.testing import FlaskClient
 
+from service.batching import native
 from service.http.access import REQUEST_ID_HEADER, request_id
 from service.logs import ACCESS_LOGGER, JsonFormatter, LineWriter, logging_config
 from service.settings import Settings
@@ -230,6 +231,21 @@ def test_a_blocked_log_stream_holds_a_bounded_number_of_lines_and_says_how_many_
     assert lines[0] == "first" and lines[-1] == "after"
     assert [line for line in lines if line.startswith("line ")] == [f"line {i}" for i in range(5)]
     assert any(line.startswith("45 access lines were dropped") for line in lines), lines
+
+
+def test_a_full_write_is_followed_at_once_by_the_next_and_a_short_one_by_the_pause() -> None:
+    # At most MAX_LINES_PER_WRITE lines a write; a full one means more are waiting,
+    # and a pause after it would cap the lines a second a worker can log.
+    stream = io.StringIO()
+    writer = LineWriter(stream)
+    writer.MAX_LINES_PER_WRITE = 4
+    writer.setFormatter(logging.Formatter("%(message)s"))
+    queue = native.SimpleQueue()
+    for i in range(10):
+        queue.put(logging.LogRecord("access", logging.INFO, __file__, 1, "line %d", (i,), None))
+    pauses = [writer._write_waiting(queue) for _ in range(3)]
+    assert pauses == [False, False, True]  # 4 and 4 lines: on at once; 2: gather for the next
+    assert stream.getvalue().splitlines() == [f"line {i}" for i in range(10)]
 
 
 def test_a_fault_recording_the_metrics_does_not_fail_the_answer(
