@@ -43,7 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.launcher import LaunchError, planned_workers, serve  # noqa: E402
+from scripts.launcher import LaunchError, serve  # noqa: E402
 from scripts.loadgen import LoadResult, check_loopback, run_load  # noqa: E402
 from service.models.base import sample_item  # noqa: E402
 
@@ -230,8 +230,9 @@ def offline_limit(
 ) -> dict[str, Any]:
     """The offline limit over every split; with a corpus and ``clients``, the batcher without HTTP too.
 
-    The batcher is measured on the split the service runs (its workers), with
-    ``clients`` shared among them, and is kept apart from the offline figures.
+    The batcher is measured on the split the service runs (its workers and their
+    torch threads), with ``clients`` shared among them, and is kept apart from
+    the offline figures.
     """
     from scripts.offline import OfflineError, Strategy, measure, splits_for
     from service.settings import Settings
@@ -241,23 +242,14 @@ def offline_limit(
     cores = read_inventory().usable_cores  # CPU affinity and cgroup quota
     window = settings.max_batch_size
     strategies = [Strategy(window), *(Strategy(window, chunk=k) for k in CHUNKS), Strategy(window, cost=True)]
-    served = planned_workers(env)
-    results, batcher = [], None
+    results = []
     for split in splits_for(cores):
-        through = [Strategy(window, clients=max(1, clients // split.workers))]
-        extra = through if corpus is not None and clients and split.workers == served else []
         try:
-            found = measure(
-                settings, split, [window], seconds=seconds, corpus=corpus, strategies=strategies + extra
-            )
+            found = measure(settings, split, [window], seconds=seconds, corpus=corpus, strategies=strategies)
         except OfflineError as exc:
             raise SystemExit(f"bench: {exc}") from None
         for m in found:
             how = m.strategy or f"batch {m.batch_size}"
-            if extra and m.strategy == str(extra[0]):
-                print(f"{how} a process, {split}: {m.items_per_s:.0f} items/s", flush=True)
-                batcher = {"items_per_s": m.items_per_s, "split": str(split), "clients": extra[0].clients}
-                continue
             print(
                 f"offline {split}, {how}: {m.items_per_s:.0f} items/s "
                 f"({m.batch_ms_median:.1f} ms per {'window' if m.strategy else 'batch'})",
@@ -271,6 +263,16 @@ def offline_limit(
                     "batch_ms": m.batch_ms_median,
                 }
             )
+    batcher = None
+    if corpus is not None and clients:
+        split = service_split(env)
+        through = Strategy(window, clients=max(1, clients // split.workers))
+        try:
+            (m,) = measure(settings, split, [window], seconds=seconds, corpus=corpus, strategies=[through])
+        except OfflineError as exc:
+            raise SystemExit(f"bench: {exc}") from None
+        print(f"{through} a process, {split}: {m.items_per_s:.0f} items/s", flush=True)
+        batcher = {"items_per_s": m.items_per_s, "split": str(split), "clients": through.clients}
     best = max(results, key=lambda r: r["items_per_s"])
     return {
         "items_per_s": best["items_per_s"],
@@ -455,6 +457,17 @@ def markdown(report: dict[str, Any], rows: list[Row], offline: dict[str, Any] | 
         lines += ["", "| target | measured | met |", "| --- | ---: | --- |"]
         lines += [f"| {name} | {value} | {'yes' if ok else 'NO'} |" for name, value, ok in checks]
     return "\n".join(lines) + "\n"
+
+
+def service_split(env: dict[str, str]) -> Any:
+    """The service's own workers x torch threads, as gunicorn_conf.py plans them for ``env``."""
+    from scripts.offline import Split
+    from service.settings import Settings, cuda_visible_devices
+    from service.topology.inventory import read_inventory
+    from service.topology.plan import plan
+
+    workers = plan(Settings.from_env(env), read_inventory(cuda_visible_devices(env))).workers
+    return Split(len(workers), workers[0].torch_threads)
 
 
 def batcher_line(batcher: dict[str, Any] | None, rows: list[Row], unit: str) -> list[str]:

@@ -325,7 +325,7 @@ class Profile:
 def profile(url: str, pid: int, bodies: list[bytes], args: argparse.Namespace) -> Profile:
     """py-spy's GIL-holding samples of one worker under the same load, counted by part."""
     worker = children(pid)[0]
-    run_load(url, bodies, args.clients, WARM_UP_S)
+    drive(url, bodies, args, WARM_UP_S)
     seconds = max(1, round(args.seconds))
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp, "profile.txt")
@@ -338,8 +338,8 @@ def profile(url: str, pid: int, bodies: list[bytes], args: argparse.Namespace) -
         ]
         command += ["--format", "raw", "--duration", str(seconds), "--pid", str(worker), "--output", str(raw)]
         spy = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        # The load spans the sampling: wrk runs as long, and py-spy starts first.
-        result = run_load(url, bodies, args.clients, seconds)
+        # The load spans the sampling: it runs as long, and py-spy starts first.
+        result = drive(url, bodies, args, seconds)
         if spy.wait(timeout=60) != 0 or not raw.exists():
             raise SystemExit("py-spy could not sample the worker (it needs ptrace: run as root or allow it)")
         samples = count_parts(raw.read_text().splitlines())

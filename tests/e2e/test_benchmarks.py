@@ -164,8 +164,12 @@ def test_bench_script_reranks_corpus_lines_on_both_rerank_routes_against_the_off
     assert next(r for r in data["rows"] if r["route"] == "naive")["mean_batch"] == 4
     assert data["offline"]["items_per_s"] > 0
     assert "sorted, cut by cost" in {s["strategy"].split(" ", 1)[1] for s in data["offline"]["splits"]}
+    # The batcher without HTTP, on the service's own split (one worker), fed by the most clients.
+    batcher = data["offline"]["batcher"]
+    assert batcher["items_per_s"] > 0 and batcher["split"].startswith("1x") and batcher["clients"] == 4
     table = (out / "results.md").read_text()
     assert "a query and 4 documents" in table and "| req/s | pairs/s |" in table
+    assert "Batcher without HTTP: **" in table and "the batched route at 4 clients reaches" in table
 
 
 def test_bench_script_refuses_rerank_of_a_model_that_is_no_cross_encoder(tmp_path: Path) -> None:
