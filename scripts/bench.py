@@ -43,7 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.launcher import LaunchError, serve  # noqa: E402
+from scripts.launcher import LaunchError, planned, serve  # noqa: E402
 from scripts.loadgen import LoadResult, check_loopback, run_load  # noqa: E402
 from service.models.base import sample_item  # noqa: E402
 
@@ -462,11 +462,8 @@ def markdown(report: dict[str, Any], rows: list[Row], offline: dict[str, Any] | 
 def service_split(env: dict[str, str]) -> Any:
     """The service's own workers x torch threads, as gunicorn_conf.py plans them for ``env``."""
     from scripts.offline import Split
-    from service.settings import Settings, cuda_visible_devices
-    from service.topology.inventory import read_inventory
-    from service.topology.plan import plan
 
-    workers = plan(Settings.from_env(env), read_inventory(cuda_visible_devices(env))).workers
+    workers = planned(env).workers
     return Split(len(workers), workers[0].torch_threads)
 
 

@@ -25,8 +25,12 @@ import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from scripts.procs import children
+
+if TYPE_CHECKING:
+    from service.topology.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,13 +74,18 @@ def gunicorn_command(args: Sequence[str] = ()) -> list[str]:
     return [sys.executable, "-m", "gunicorn", "-c", "gunicorn_conf.py", *args, "wsgi:app"]
 
 
-def planned_workers(env: Mapping[str, str]) -> int:
-    """How many workers gunicorn_conf.py will start with the SERVE_* settings in ``env``."""
+def planned(env: Mapping[str, str]) -> Plan:
+    """The topology plan gunicorn_conf.py makes with the SERVE_* settings in ``env``, on this machine."""
     from service.settings import Settings, cuda_visible_devices
     from service.topology.inventory import read_inventory
     from service.topology.plan import plan
 
-    return len(plan(Settings.from_env(env), read_inventory(cuda_visible_devices(env))).workers)
+    return plan(Settings.from_env(env), read_inventory(cuda_visible_devices(env)))
+
+
+def planned_workers(env: Mapping[str, str]) -> int:
+    """How many workers gunicorn_conf.py will start with the SERVE_* settings in ``env``."""
+    return len(planned(env).workers)
 
 
 def ready_workers(url: str) -> int:

@@ -369,7 +369,7 @@ def _through_batcher(
                 item = model.prepare(corpus[position % len(corpus)])
                 position += 1
                 batcher.submit([item], deadline=sent + BARRIER_TIMEOUT_S).future.result(BARRIER_TIMEOUT_S)
-                if (done := time.monotonic()) >= begin and done <= end:
+                if begin <= (done := time.monotonic()) <= end:
                     answered[index].append(done - sent)
         except BaseException as exc:  # reported by the measuring process, below
             failures.append(exc)

@@ -56,9 +56,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.launcher import LaunchError, free_port, serve, stop  # noqa: E402
+from scripts.launcher import LaunchError, free_port, planned, serve, stop  # noqa: E402
 from scripts.loadgen import LoadResult, run_load  # noqa: E402
-from scripts.openloop import Request  # noqa: E402
+from scripts.openloop import Request, percentiles  # noqa: E402
 from scripts.openloop import run as run_open_loop  # noqa: E402
 from scripts.procs import children, cpu_split_seconds, voluntary_switches  # noqa: E402
 
@@ -213,11 +213,7 @@ def parse_args() -> argparse.Namespace:
 
 def planned_threads(env: dict[str, str]) -> int:
     """The request threads per worker gunicorn_conf.py plans for ``env``: the bare server gets as many."""
-    from service.settings import Settings, cuda_visible_devices
-    from service.topology.inventory import read_inventory
-    from service.topology.plan import plan
-
-    return plan(Settings.from_env(env), read_inventory(cuda_visible_devices(env))).threads
+    return planned(env).threads
 
 
 @contextlib.contextmanager
@@ -293,9 +289,10 @@ def drive(url: str, bodies: list[bytes], args: argparse.Namespace, seconds: floa
         return run_load(url, bodies, args.clients, seconds)
     path = urllib.parse.urlsplit(url).path
     outcomes = run_open_loop(url, [Request(body, path) for body in bodies], args.rate, seconds).outcomes
-    ok = sorted(o.latency_s for o in outcomes if o.status == "200")
-    p50, p90, p99 = (1000 * ok[int(q * (len(ok) - 1))] if ok else 0.0 for q in (0.5, 0.9, 0.99))
-    return LoadResult(0, seconds, len(ok), len(outcomes) - len(ok), p50, p90, p99, "openloop")
+    ok = [o.latency_s for o in outcomes if o.status == "200"]
+    ms = percentiles(ok)
+    errors = len(outcomes) - len(ok)
+    return LoadResult(0, seconds, len(ok), errors, ms["p50"], ms["p90"], ms["p99"], "openloop")
 
 
 def tree_counts(pid: int) -> tuple[float, float, int]:
