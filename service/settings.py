@@ -164,6 +164,10 @@ def _networks(name: str, raw: str) -> tuple[str, ...]:
     return parts
 
 
+# SERVE_MAX_QUEUE's default, in items.
+DEFAULT_QUEUE_ITEMS = 32_768
+
+
 @dataclass(frozen=True)
 class Settings:
     """The service's configuration; ``Settings.from_env()`` is the only reader."""
@@ -178,8 +182,11 @@ class Settings:
     # Activation memory one padded token needs in one model call, in KiB, as
     # measured on the GPU (docs/batching.md); None: unknown, not checked.
     token_memory_kb: float | None = None
-    max_items_per_request: int = 64
-    max_body_bytes: int = 1 << 20
+    # OpenAI's limit on one embeddings request's inputs, and Cohere's on a rerank's documents.
+    max_items_per_request: int = 2048
+    max_documents_per_request: int = 1000
+    # Room for 2,048 texts of a few thousand characters each, as JSON.
+    max_body_bytes: int = 8 << 20
     # Width x height an image model decodes at most, read from the file's header
     # before any pixel is: 4096 x 4096, 48 MiB of RGB per image being decoded.
     max_image_pixels: int = 4096 * 4096
@@ -243,10 +250,19 @@ class Settings:
 
     @property
     def queue_limit(self) -> int:
-        """Most requests one worker may hold queued before it answers 503."""
-        # Four full batches: enough to keep the model busy while the next
-        # batches gather, few enough that a queued request waits a bounded time.
-        return self.max_queue if self.max_queue is not None else 4 * self.max_batch_size
+        """Most items one worker may hold queued before it answers 503: a bound on memory, not on waits.
+
+        Waits are bounded by admission (service.batching.admission). The
+        default, 32,768 items (Infinity queues as many), holds sixteen requests
+        of the largest size. A request larger than the limit is still taken
+        when nothing else waits.
+        """
+        return self.max_queue if self.max_queue is not None else DEFAULT_QUEUE_ITEMS
+
+    @property
+    def documents_limit(self) -> int:
+        """Most documents in one rerank request: SERVE_MAX_DOCUMENTS_PER_REQUEST, within the items' limit."""
+        return min(self.max_documents_per_request, self.max_items_per_request)
 
     @property
     def latency_budget_s(self) -> float:
@@ -295,7 +311,8 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "batch_gather": ("SERVE_BATCH_GATHER", _Choice(BATCH_GATHER_POLICIES)),
     "max_batch_tokens": ("SERVE_MAX_BATCH_TOKENS", _Integer(1, 1 << 24)),
     "token_memory_kb": ("SERVE_TOKEN_MEMORY_KB", _Number(0.001, 1 << 20)),
-    "max_items_per_request": ("SERVE_MAX_ITEMS_PER_REQUEST", _Integer(1, 4096)),
+    "max_items_per_request": ("SERVE_MAX_ITEMS_PER_REQUEST", _Integer(1, 65_536)),
+    "max_documents_per_request": ("SERVE_MAX_DOCUMENTS_PER_REQUEST", _Integer(1, 65_536)),
     "max_body_bytes": ("SERVE_MAX_BODY_BYTES", _Integer(1024, 1 << 30)),
     "max_image_pixels": ("SERVE_MAX_IMAGE_PIXELS", _Integer(1, PILLOW_MAX_IMAGE_PIXELS)),
     "max_queue": ("SERVE_MAX_QUEUE", _Integer(1, 1_000_000)),

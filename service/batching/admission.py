@@ -16,7 +16,9 @@ it the time, so the tests need neither a clock nor threads.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections import deque
 from dataclasses import dataclass
 
 # Completions the service-time average spans, roughly: a few full batches, so
@@ -50,6 +52,10 @@ PREDICTION_MARGIN = 2.0
 # (1.0), under 20x capacity those admitted with the work ahead filling the whole
 # budget were among the late answers.
 RETURNING_MARGIN = 1.5
+# While the service keeps up (Pace), the work ahead of a request must leave its
+# deadline this margin: the standing queue of a closed loop is steady, so the
+# prediction is close, but a deadline missed is a 504 after the whole wait.
+DEADLINE_MARGIN = 1.5
 
 
 @dataclass(frozen=True)
@@ -61,14 +67,16 @@ class Refusal:
 
 
 class ServiceMeter:
-    """The batch thread's measured service time per request, and the requests it holds.
+    """The batch thread's measured service time per item, and the items it holds.
 
-    ``busy_s / answered`` over the recent past, each sum decayed by
-    ``1 - 1/window`` per completion; or, when slower, the model time per
-    request of the last RECENT_BATCHES batches (``batch_ran``), so that the
-    meter believes a slowdown within a batch or two and a speed-up only as
-    the long average sees it. The model time leaves out gathering, so in a
-    steady state the long average is the slower. A completion adds the time since the later
+    Work is counted in items, not requests: a request of 64 texts weighs 64
+    times one of a single text, in the queue and in the prediction alike.
+    ``busy_s / items answered`` over the recent past, each sum decayed by
+    ``1 - 1/window`` per completion; or, when slower, the model time per item
+    of the last RECENT_BATCHES batches (``batch_ran``), so that the meter
+    believes a slowdown within a batch or two and a speed-up only as the long
+    average sees it. The model time leaves out gathering, so in a steady state
+    the long average is the slower. A completion adds the time since the later
     of its own arrival and the previous completion: while the thread has a
     backlog, the gaps between completions sum to the time it worked; after an
     idle spell, the newcomer's whole stay counts. Idle time never lowers the
@@ -84,31 +92,31 @@ class ServiceMeter:
         self._recent = _Average(RECENT_BATCHES)
         self._served = 0
         self._last_done: float | None = None
-        self.outstanding = 0
+        self.outstanding = 0  # items accepted and not yet answered
 
-    def submitted(self) -> None:
-        self.outstanding += 1
+    def submitted(self, items: int = 1) -> None:
+        self.outstanding += items
 
-    def completed(self, now: float, arrived: float, served: bool) -> None:
-        self.outstanding = max(0, self.outstanding - 1)
+    def completed(self, now: float, arrived: float, served: bool, items: int = 1) -> None:
+        self.outstanding = max(0, self.outstanding - items)
         if not served:
             return
         since = arrived if self._last_done is None else max(arrived, self._last_done)
-        self._long.add(max(0.0, now - since))
+        self._long.add(max(0.0, now - since), items)
         self._served += 1
         self._last_done = now if self._last_done is None else max(now, self._last_done)
 
     @property
-    def seconds_per_request(self) -> float | None:
-        """Mean service time per request; None until ``min_served`` have been served."""
+    def seconds_per_item(self) -> float | None:
+        """Mean service time per item; None until ``min_served`` requests have been served."""
         if self._served < self._min_served:
             return None
         return max(self._long.mean, self._recent.mean)
 
-    def batch_ran(self, seconds: float, served: int) -> None:
-        """A batch's model time and the requests it served: the quick view of the speed."""
-        if served > 0:
-            self._recent.add(seconds, served)
+    def batch_ran(self, seconds: float, items: int) -> None:
+        """A batch's model time and the items it served: the quick view of the speed."""
+        if items > 0:
+            self._recent.add(seconds, items)
 
 
 class _Average:
@@ -128,16 +136,106 @@ class _Average:
         return self._sum / self._weight if self._weight else 0.0
 
 
-def predict_wait(ahead: int, seconds_per_request: float | None) -> float:
-    """Seconds until a newcomer behind ``ahead`` requests is answered.
+def predict_wait(ahead: int, seconds_per_item: float | None, own: int = 1) -> float:
+    """Seconds until a newcomer of ``own`` items behind ``ahead`` items is answered.
 
-    Its own service counts too: with ``ahead`` at zero it still waits one
-    request's time. Unknown (too few served yet, see MIN_SERVED): zero, so a
-    fresh worker takes its first requests and learns its rate from them.
+    Its own service counts too: with ``ahead`` at zero it still waits for its
+    own items. Unknown (too few served yet, see MIN_SERVED): zero, so a fresh
+    worker takes its first requests and learns its rate from them.
     """
-    if seconds_per_request is None:
+    if seconds_per_item is None:
         return 0.0
-    return (max(0, ahead) + 1) * seconds_per_request
+    return (max(0, ahead) + max(1, own)) * seconds_per_item
+
+
+# The pace's windows: the least backlog of each is compared with the one before.
+PACE_WINDOW_S = 0.5
+# Growth in this many windows running, each, says the demand outruns the
+# answers. One step of new clients (a closed loop starting, a job joining) lands
+# in one window, or across the boundary of two; growth that goes on through
+# three windows is a rate, not a step.
+PACE_WINDOWS = 3
+# A window's growth counts when it passes this share of what the service answers
+# in a window: well above the noise a closed loop makes (its next requests follow
+# each answer within milliseconds), well below what 2x overload adds (a whole
+# window's worth).
+PACE_TOLERANCE = 0.1
+
+
+class Pace:
+    """Whether requests arrive faster than they are answered, or the service keeps up.
+
+    A service that keeps up may hold a long standing queue: closed-loop clients
+    (indexing jobs, SDK loops, load tools) send their next request only when
+    the last is answered, so the queue holds one request per client, however
+    long its wait, and never grows. Every such request can be answered by its
+    deadline, and refusing one only sends its client back. A service that falls
+    behind is one whose arrivals outrun its answers (open-loop users, more of
+    them every second): its queue grows for as long as that lasts, and only
+    shedding early keeps the answers it gives timely.
+
+    The backlog of demand, ``offered - answered`` in items, tells the two apart:
+    offered counts every fresh request, admitted or refused (a resend of a
+    refused one is not fresh), answered every item served. A closed loop keeps
+    it flat; an open-loop overload makes it grow without end, its refusals
+    included. The least backlog of each PACE_WINDOW_S window (the least: a
+    closed loop's backlog dips at each answer and fills again as the next
+    requests come) is compared with the window before: the service is behind
+    when it grew by more than PACE_TOLERANCE of a window's answers in each of
+    the last PACE_WINDOWS windows, and by more than a batch's items (``batch_items``)
+    over them all. Pure: the caller passes the time.
+    """
+
+    def __init__(
+        self,
+        batch_items: int,
+        window_s: float = PACE_WINDOW_S,
+        windows: int = PACE_WINDOWS,
+        tolerance: float = PACE_TOLERANCE,
+    ) -> None:
+        self._batch_items = batch_items
+        self._window_s = window_s
+        self._tolerance = tolerance
+        self._backlog = 0
+        self._window: int | None = None  # the index of the window now open
+        self._least = 0  # the least backlog in the window now open
+        self._closed: deque[int] = deque(maxlen=windows + 1)  # the least of each window closed since
+
+    def offered(self, items: int, now: float) -> None:
+        """A fresh request of ``items`` arrived (admitted or refused)."""
+        self._advance(now)
+        self._backlog += items
+
+    def answered(self, items: int, now: float) -> None:
+        """``items`` were served."""
+        self._advance(now)
+        self._backlog -= items
+        self._least = min(self._least, self._backlog)
+
+    def behind(self, now: float, seconds_per_item: float | None) -> bool:
+        """Whether the demand has outrun the answers through the last windows."""
+        self._advance(now)
+        if seconds_per_item is None or len(self._closed) < (self._closed.maxlen or 0):
+            return False
+        step = max(1.0, self._tolerance * self._window_s / seconds_per_item)
+        least = list(self._closed)
+        rising = all(later - earlier > step for earlier, later in itertools.pairwise(least))
+        # A closed loop's backlog swings by at most what one batch answers at
+        # once; a rate of growth soon passes that, a swing never does.
+        return rising and least[-1] - least[0] > self._batch_items
+
+    def _advance(self, now: float) -> None:
+        index = math.floor(now / self._window_s)
+        if self._window is None:
+            self._window, self._least = index, self._backlog
+            return
+        if index <= self._window:
+            return
+        # The open window closes; windows with no event since held the backlog as it is.
+        self._closed.append(self._least)
+        for _ in range(min(index - self._window - 1, self._closed.maxlen or 0)):
+            self._closed.append(self._backlog)
+        self._window, self._least = index, self._backlog
 
 
 class StandingQueue:
@@ -146,10 +244,10 @@ class StandingQueue:
     A queue that empties now and then absorbs bursts; one in which every request
     for a whole ``interval_s`` waited ``target_s`` or more is overload, and in a
     first-come queue it makes every request wait the same long time, refused
-    ones included. While it stands, the door refuses what waited longer than
-    ``target_s`` (service.http.door): the head of the queue is shed quickly and
-    the requests still taken wait little. The first request that waited less
-    than the target ends the spell.
+    ones included. While it stands and the service is behind (Pace), the door
+    refuses what waited longer than ``target_s`` (service.http.door): the head
+    of the queue is shed quickly and the requests still taken wait little. The
+    first request that waited less than the target ends the spell.
     """
 
     def __init__(self, target_s: float, interval_s: float) -> None:
@@ -168,7 +266,15 @@ class StandingQueue:
 
 @dataclass(frozen=True)
 class AdmissionRule:
-    """Refuse a request that cannot be answered within ``budget_s`` of its arrival."""
+    """Refuse a request that cannot be answered in time: by its deadline, or within ``budget_s`` when behind.
+
+    While the service keeps up (Pace), a request is admitted if the work ahead
+    leaves it DEADLINE_MARGIN to spare before its deadline (the request timeout,
+    or less if its client asks): closed-loop clients with long standing queues
+    are all answered. Once demand outruns the answers, it must also fit the
+    latency budget, with PREDICTION_MARGIN to spare: overload is shed early and
+    what is accepted is answered within the budget.
+    """
 
     budget_s: float
 
@@ -182,7 +288,11 @@ class AdmissionRule:
     def standing_queue(self) -> StandingQueue:
         return StandingQueue(self.door_target_s, interval_s=self.door_target_s)
 
-    def admits_fresh(self, waited_s: float, predicted_s: float) -> bool:
+    def limit_s(self, deadline_s: float, behind: bool) -> float:
+        """How long after its arrival a request may be answered: its deadline, and the budget when behind."""
+        return min(self.budget_s, deadline_s) if behind else deadline_s
+
+    def admits_fresh(self, waited_s: float, predicted_s: float, deadline_s: float, behind: bool) -> bool:
         """Whether a request that waited ``waited_s`` fits with the margin a fresh one needs.
 
         The test for letting a held request in before its hold ends
@@ -190,37 +300,56 @@ class AdmissionRule:
         margin (``decide`` with ``returning``), whatever the few requests that
         reach the queue beside it add.
         """
-        return waited_s + PREDICTION_MARGIN * predicted_s <= self.budget_s
+        margin = PREDICTION_MARGIN if behind else DEADLINE_MARGIN
+        return waited_s + margin * predicted_s <= self.limit_s(deadline_s, behind)
 
     def decide(
-        self, waited_s: float, predicted_s: float, standing: bool = False, returning: bool = False
+        self,
+        waited_s: float,
+        predicted_s: float,
+        *,
+        deadline_s: float,
+        behind: bool,
+        standing: bool = False,
+        returning: bool = False,
     ) -> Refusal | None:
         """None to admit, else why not.
 
         ``waited_s``: since the request arrived; ``predicted_s``: predict_wait's
-        answer; ``standing``: StandingQueue's verdict on the wait before the handler;
-        ``returning``: the request was let in from a hold because the batcher
-        had room for it (service.host.hold.let_in).
+        answer; ``deadline_s``: from its arrival to its deadline; ``behind``:
+        Pace's verdict; ``standing``: StandingQueue's verdict on the wait
+        before the handler; ``returning``: the request was let in from a hold
+        because the batcher had room for it (service.host.hold.let_in).
 
-        Such a request is admitted while the work ahead fits with
-        RETURNING_MARGIN to spare, any other only with PREDICTION_MARGIN: the
-        few fresh requests that reach the queue beside one let in do not turn
-        it away. Held clients are let in longest held first, so under a long
-        overload they take turns; one whose hold simply ended meets the fresh
-        requests' margin, which keeps accepted latency well within the budget.
+        While behind, such a request is admitted while the work ahead fits the
+        budget with RETURNING_MARGIN to spare, any other only with
+        PREDICTION_MARGIN: the few fresh requests that reach the queue beside
+        one let in do not turn it away. Held clients are let in longest held
+        first, so under a long overload they take turns; one whose hold simply
+        ended meets the fresh requests' margin, which keeps accepted latency
+        well within the budget.
         """
-        if waited_s >= self.budget_s or (standing and waited_s >= self.door_target_s):
-            limit = self.budget_s if waited_s >= self.budget_s else self.door_target_s
+        limit = self.limit_s(deadline_s, behind)
+        if waited_s >= limit or (behind and standing and waited_s >= self.door_target_s):
+            cap = limit if waited_s >= limit else self.door_target_s
             return Refusal(
                 f"the request waited {waited_s * 1000:.0f} ms before the service could read it, past "
-                f"the {limit * 1000:.0f} ms it may wait there; the service is overloaded, retry shortly",
+                f"the {cap * 1000:.0f} ms it may wait there; the service is overloaded, retry shortly",
                 1,
             )
+        if not behind:
+            if waited_s + DEADLINE_MARGIN * predicted_s > limit:
+                return Refusal(
+                    f"the work queued ahead would take about {predicted_s * 1000:.0f} ms, past the "
+                    f"request's {limit * 1000:.0f} ms deadline; the service is overloaded, retry shortly",
+                    max(1, math.ceil(predicted_s)),
+                )
+            return None
         margin = RETURNING_MARGIN if returning else PREDICTION_MARGIN
-        if waited_s + margin * predicted_s > self.budget_s:
+        if waited_s + margin * predicted_s > limit:
             return Refusal(
                 f"the work queued ahead would take about {predicted_s * 1000:.0f} ms, past the "
-                f"{self.budget_s * 1000:.0f} ms latency budget; the service is overloaded, retry shortly",
+                f"{limit * 1000:.0f} ms latency budget; arrivals outrun the answers, retry shortly",
                 # By then the work now ahead is done, and a retry has a fair chance.
                 max(1, math.ceil(predicted_s)),
             )

@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from service.batching import native
-from service.batching.admission import AdmissionRule, ServiceMeter, predict_wait
+from service.batching.admission import AdmissionRule, Pace, ServiceMeter, predict_wait
 from service.batching.reply import Reply
 from service.batching.subbatch import Cost, CostModel, cut
 from service.batching.waiting import end_of_hub_turn
@@ -64,6 +64,11 @@ from service.outputs import check_count, check_finite, client_error, first_non_f
 log = logging.getLogger(__name__)
 
 _STOP = object()
+# The express lane takes requests of at most max_batch_size // EXPRESS_SHARE items
+# (8 of the default 64): a query or a few texts, not an indexing job's batch.
+EXPRESS_SHARE = 8
+# Requests the means of a request's items and of its body's bytes per item span, roughly.
+REQUEST_MEAN_WINDOW = 64
 
 
 @dataclass(eq=False)
@@ -83,6 +88,46 @@ class Pending:
     batch_size: int = 0
     # When the request reached the service, for the latency budget (None: when it was queued).
     arrived: float | None = None
+    # Small enough to go ahead of bulk work (Batcher's express lane).
+    express: bool = False
+    # The batch thread's alone, for a request larger than a batch, taken in parts:
+    taken: int = 0  # items taken into batches so far
+    claimed: bool = False
+    rows: list[Any] | None = None
+    answered_rows: int = 0
+    array: bool = True  # every part's rows came from an array: answer with one
+    finite: bool = True  # every part's call was checked whole and held neither NaN nor infinity
+
+    @property
+    def budget_from(self) -> float:
+        """When its latency budget and its deadline count from."""
+        return self.enqueued_at if self.arrived is None else self.arrived
+
+
+@dataclass(frozen=True)
+class Part:
+    """Items ``start:end`` of a request, as one batch runs them; most requests are one part."""
+
+    pending: Pending
+    start: int
+    end: int
+
+    @property
+    def items(self) -> list[Any]:
+        return self.pending.items if self.whole else self.pending.items[self.start : self.end]
+
+    @property
+    def sizes(self) -> list[int]:
+        return (self.pending.sizes or [])[self.start : self.end]
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.end == len(self.pending.items)
+
+    @property
+    def last(self) -> bool:
+        """Whether the request's answer waits for no later part."""
+        return self.end == len(self.pending.items)
 
 
 @dataclass(frozen=True)
@@ -162,6 +207,16 @@ class BatchObserver:
         """The loaded model's name and task (service.models.base.task_of), from the loader thread."""
 
 
+@dataclass(frozen=True)
+class Load:
+    """What the batcher holds and how fast it serves, for the door and the holds to predict with."""
+
+    outstanding: int  # items accepted and not yet answered
+    seconds_per_item: float | None
+    behind: bool  # admission.Pace's verdict
+    items_per_request: float  # the recent mean, for requests whose items are not known yet
+
+
 class Batcher:
     def __init__(
         self,
@@ -175,6 +230,8 @@ class Batcher:
         max_tokens: int | None = None,
         cost: CostModel | None = None,
         admission: AdmissionRule | None = None,
+        express_items: int | None = None,
+        pace: Pace | None = None,
     ) -> None:
         self._predict = predict
         self._sizer = sizer
@@ -182,20 +239,32 @@ class Batcher:
         self._max_tokens = max_tokens if max_tokens is not None else 1 << 62
         self.cost = cost or CostModel()
         self._max_batch_size = max_batch_size
+        # Items the worker may hold accepted and not yet answered.
         self._queue_limit = queue_limit
+        # Requests of at most this many items go ahead of bulk work (_select); 0: none do.
+        self._express_items = max_batch_size // EXPRESS_SHARE if express_items is None else express_items
         self._policy = policy or GatherPolicy()
         self._observer = observer or BatchObserver()
-        # Refuses work that cannot be answered within the latency budget (None: the count bound alone).
+        # Refuses work that cannot be answered in time (None: the queue bound alone).
         self._admission = admission
-        # Service rate and requests held, for predicting a newcomer's wait; changes under _lock.
+        # Service rate, items held and the pace of demand, for predicting a
+        # newcomer's wait; all change under _lock.
         self._meter = ServiceMeter()
+        self._pace = pace or Pace(batch_items=max_batch_size)
+        self._express_outstanding = 0
+        self._bytes_per_item = 0.0  # a body's bytes per item, recent mean (0: none seen)
+        self._items_per_request = 1.0
         self._queue: native.SimpleQueue[Any] = native.SimpleQueue()
-        self._lock = native.allocate_lock()  # guards _depth, _accepting and the in-flight counts
+        # Guards _depth, _accepting, the meter, the pace and the in-flight counts.
+        self._lock = native.allocate_lock()
         self._depth = 0
+        self._queued_items = 0  # the items of those requests not yet taken into a batch; under _lock
         self._depth_stale = False
         self._reporting = native.allocate_lock()  # held by the one thread writing the depth (_report_depth)
         self._accepting = True
-        self._carry: Pending | None = None
+        # Taken from the queue and not yet wholly into a batch, in arrival order; the batch thread's alone.
+        self._waiting: list[Pending] = []
+        self._draining = False  # the stop sentinel was reached: end once _waiting is empty
         # Requests inside their handlers now, and the most there were since the
         # last batch started: in a closed loop, the clients this worker serves,
         # whose next requests gathering may wait for. Both change under _lock.
@@ -203,7 +272,7 @@ class Batcher:
         self._cycle_peak = 1
         self._model_time_s = 0.0
         self._exited = native.allocate_lock()
-        self._batch: list[Pending] = []  # the batch being run, for abandon()
+        self._batch: list[Part] = []  # the batch being run, for abandon()
         self.running = False
         # Watchdog inputs: when the current batch started (None when idle), and
         # what ended the thread if something other than stop() did.
@@ -214,7 +283,7 @@ class Batcher:
 
     @property
     def depth(self) -> int:
-        """Requests accepted and not yet taken into a batch."""
+        """Requests accepted and not yet wholly taken into a batch."""
         return self._depth
 
     @contextlib.contextmanager
@@ -233,49 +302,103 @@ class Batcher:
             with self._lock:
                 self._in_flight -= 1
 
-    def predicted_wait(self) -> float:
-        """Seconds a request submitted now would take to be answered, from the measured rate."""
+    def predicted_wait(self, items: int = 1) -> float:
+        """Seconds a request of ``items`` submitted now would take to be answered, from the measured rate."""
         with self._lock:
-            return predict_wait(self._meter.outstanding, self._meter.seconds_per_request)
+            return self._predict_locked(items)
 
-    def load(self) -> tuple[int, float | None]:
-        """Requests accepted and not yet answered, and the measured seconds per request (None: unknown)."""
+    def _predict_locked(self, items: int) -> float:
+        ahead = self._meter.outstanding
+        if 0 < items <= self._express_items:
+            # The express lane: the small requests ahead, and at most a batch of bulk work.
+            ahead = min(ahead, self._express_outstanding + self._max_batch_size)
+        return predict_wait(ahead, self._meter.seconds_per_item, items)
+
+    def load(self) -> Load:
+        """What the batcher holds now, for predictions made before a request's items are known."""
         with self._lock:
-            return self._meter.outstanding, self._meter.seconds_per_request
+            spi = self._meter.seconds_per_item
+            behind = self._pace.behind(time.monotonic(), spi)
+            return Load(self._meter.outstanding, spi, behind, self._items_per_request)
+
+    def estimate_items(self, body_bytes: int | None) -> int:
+        """The items a body of ``body_bytes`` likely holds, from the bytes per item of recent requests.
+
+        What the door weighs a request by before its body is read; the exact
+        count follows at submit(). Unknown length or no history: one.
+        """
+        per_item = self._bytes_per_item
+        if not body_bytes or per_item <= 0:
+            return 1
+        return max(1, round(body_bytes / per_item))
+
+    def door_outlook(self, items: int) -> tuple[float, bool]:
+        """For the door: a request of ``items``'s predicted wait, and whether the service is behind."""
+        with self._lock:
+            behind = self._pace.behind(time.monotonic(), self._meter.seconds_per_item)
+            return self._predict_locked(items), behind
+
+    def refused(self, items: int) -> None:
+        """A fresh request of about ``items`` was refused at the door, before submit(): demand unmet."""
+        with self._lock:
+            self._pace.offered(items, time.monotonic())
 
     def submit(
-        self, items: list[Any], deadline: float, arrived: float | None = None, returning: bool = False
+        self,
+        items: list[Any],
+        deadline: float,
+        arrived: float | None = None,
+        *,
+        returning: bool = False,
+        resend: bool = False,
+        body_bytes: int | None = None,
     ) -> Pending:
         """Queue a request, or refuse it (503) when the queue is full or it cannot be answered in time.
 
         ``arrived``: when the request reached the service (monotonic), for the
         latency budget; None counts from now. ``returning``: its client was
-        refused before and waited (AdmissionRule.decide).
+        refused before and was let in from its hold early (AdmissionRule.decide);
+        ``resend``: its client was refused before, so it is no fresh demand
+        (admission.Pace). ``body_bytes``: the
+        size of the body its items came from, to learn what the door may
+        expect of a body (estimate_items).
         """
         # Sized here, in the request thread, so the batch thread only sorts.
         sizes = None if self._sizer is None else [self._sizer(item) for item in items]
-        pending = Pending(items, deadline, sizes, arrived=arrived)
+        count = len(items)
+        pending = Pending(items, deadline, sizes, arrived=arrived, express=count <= self._express_items)
+        now = pending.enqueued_at
         with self._lock:
             if not self._accepting:
                 raise NotReady("the worker is shutting down; retry on another worker", reason="shutting_down")
-            if self._depth >= self._queue_limit:
+            if not (returning or resend):
+                # Fresh demand, whether it is taken or not (a resend was counted when first refused).
+                self._pace.offered(count, now)
+            self._learn_request(count, body_bytes)
+            if self._queued_items > 0 and self._queued_items + count > self._queue_limit:
                 raise Overloaded(
-                    f"the queue is full ({self._queue_limit} requests waiting); retry shortly",
+                    f"the queue is full ({self._queued_items} items waiting, {count} more asked, "
+                    f"the limit is {self._queue_limit}: SERVE_MAX_QUEUE); retry shortly",
                     reason="queue_full",
                 )
             if self._admission is not None:
                 # Checked again here, under the lock: many requests can pass the
                 # door's check at once before any of them is queued (a burst of greenlets).
-                waited = 0.0 if arrived is None else pending.enqueued_at - arrived
+                start = pending.budget_from
                 refusal = self._admission.decide(
-                    waited,
-                    predict_wait(self._meter.outstanding, self._meter.seconds_per_request),
+                    now - start,
+                    self._predict_locked(count),
+                    deadline_s=deadline - start,
+                    behind=self._pace.behind(now, self._meter.seconds_per_item),
                     returning=returning,
                 )
                 if refusal is not None:
                     raise Overloaded(refusal.message, refusal.retry_after_s, reason="over_budget")
             self._depth += 1
-            self._meter.submitted()
+            self._queued_items += count
+            self._meter.submitted(count)
+            if pending.express:
+                self._express_outstanding += count
         self._report_depth()
         # Runs in whichever thread completes the future: the batch thread, the
         # watchdog, or the caller cancelling it. None of them holds _lock then.
@@ -283,10 +406,27 @@ class Batcher:
         self._queue.put(pending)
         return pending
 
+    def _learn_request(self, items: int, body_bytes: int | None) -> None:
+        # Recent means, for requests not yet read (estimate_items, load); under _lock.
+        self._items_per_request += (items - self._items_per_request) / REQUEST_MEAN_WINDOW
+        if body_bytes and items > 0:
+            per_item = body_bytes / items
+            if self._bytes_per_item <= 0:
+                self._bytes_per_item = per_item
+            else:
+                self._bytes_per_item += (per_item - self._bytes_per_item) / REQUEST_MEAN_WINDOW
+
     def _answered(self, pending: Pending) -> None:
+        now = time.monotonic()
+        count = len(pending.items)
+        # started_at is set only for requests the batch thread served (not those it refused).
+        served = pending.started_at is not None and not pending.future.cancelled()
         with self._lock:
-            # started_at is set only for requests the batch thread served (not those it refused).
-            self._meter.completed(time.monotonic(), pending.enqueued_at, pending.started_at is not None)
+            self._meter.completed(now, pending.enqueued_at, served, count)
+            if served:
+                self._pace.answered(count, now)
+            if pending.express:
+                self._express_outstanding = max(0, self._express_outstanding - count)
 
     def start(self) -> None:
         """Run the batch loop in a new OS thread."""
@@ -324,9 +464,7 @@ class Batcher:
         """
         with self._lock:
             self._accepting = False
-        held = list(self._batch)
-        if self._carry is not None:
-            held.append(self._carry)
+        held = [part.pending for part in self._batch] + list(self._waiting)
         while True:
             try:
                 entry = self._take(0)
@@ -361,12 +499,7 @@ class Batcher:
 
     def _take(self, timeout: float | None) -> Any:
         """The next queued entry: blocks for ``timeout`` seconds (None: forever, 0: not at all)."""
-        item = self._queue.get(timeout != 0, timeout or None)
-        if item is not _STOP:
-            with self._lock:
-                self._depth -= 1
-            self._report_depth()
-        return item
+        return self._queue.get(timeout != 0, timeout or None)
 
     def _report_depth(self) -> None:
         """Report the queue depth after a change, outside _lock; concurrent reports coalesce.
@@ -385,69 +518,146 @@ class Batcher:
             finally:
                 self._reporting.release()
 
-    def _gather(self) -> list[Pending] | None:
+    def _wait(self, entry: Any) -> bool:
+        """Keep a queued entry among the waiting; False for the stop sentinel (remembered)."""
+        if entry is _STOP:
+            self._draining = True
+            return False
+        self._waiting.append(entry)
+        return True
+
+    def _gather(self) -> list[Part] | None:
         """The next batch, or None once the sentinel is reached and nothing is left."""
-        first: Any = self._carry
-        self._carry = None
-        if first is None:
+        if not self._waiting:
+            if self._draining:
+                return None
             idle = self._queue.empty()
-            first = self._take(None)
-            if idle and first is not _STOP:
+            if not self._wait(self._take(None)):
+                return None
+            if idle:
                 # Woken by the first request of an idle spell: under gevent,
                 # those the hub is parsing now join it. Not when requests were
                 # already queued: the model would idle through the hub's turn.
                 end_of_hub_turn()
-        if first is _STOP:
-            return None
-        batch = [first]
-        size = len(first.items)
+        # Everything queued already waits too: the batch is chosen among them all (_select).
+        while not self._draining:
+            try:
+                entry = self._take(0)
+            except native.Empty:
+                break
+            self._wait(entry)
+        first = self._waiting[0]
         gather_start = last_arrival = time.monotonic()
-        while size < self._max_batch_size:
+        while not self._draining and self._waiting_items() < self._max_batch_size:
             wait_until = self._policy.deadline(
                 first_arrival=first.enqueued_at,
                 gather_start=gather_start,
                 last_arrival=last_arrival,
-                requests=len(batch),
+                requests=len(self._waiting),
                 expected=max(self._cycle_peak, self._in_flight),
                 model_time_s=self._model_time_s,
             )
+            if wait_until is None:
+                break
             try:
-                nxt = self._take(0 if wait_until is None else max(0.0, wait_until - time.monotonic()))
+                entry = self._take(max(0.0, wait_until - time.monotonic()))
             except native.Empty:
                 break
-            if nxt is _STOP:
-                # Re-queue the sentinel behind this batch so the loop ends after it.
-                self._queue.put(_STOP)
-                break
-            if size + len(nxt.items) > self._max_batch_size:
-                self._carry = nxt
-                break
-            batch.append(nxt)
-            size += len(nxt.items)
+            self._wait(entry)
             # When it was taken, not when it was queued: the batch thread can wait
             # a switch interval for the GIL after each put, and by then a window
             # counted from the put would already be over.
             last_arrival = time.monotonic()
-        return batch
+        return self._select()
 
-    def _run_batch(self, batch: list[Pending]) -> None:
-        live: list[Pending] = []
+    def _waiting_items(self) -> int:
+        return sum(len(pending.items) - pending.taken for pending in self._waiting)
+
+    def _select(self) -> list[Part]:
+        """The waiting items the next batch runs: small requests first, within a bound, then in arrival order.
+
+        The express lane: a request of at most ``express_items`` goes ahead of
+        bulk requests, so a one-text query that arrives during an indexing job
+        waits for one batch, not for the job. While bulk work waits, express
+        requests take at most half of a batch's rows (they go on in arrival
+        order among themselves), so bulk work keeps at least half of the
+        model time however many small requests come. Bulk requests run in
+        arrival order: the first takes what rows are left (one larger than a
+        batch runs in parts, a batch at a time), and a later one that does not
+        fit whole heads the next batch.
+        """
+        room = self._max_batch_size
+        bulk = [p for p in self._waiting if not p.express]
+        express = [p for p in self._waiting if p.express]
+        parts: list[Part] = []
+        used = 0
+
+        def take(pending: Pending, count: int) -> None:
+            nonlocal used
+            parts.append(Part(pending, pending.taken, pending.taken + count))
+            pending.taken += count
+            used += count
+
+        cap = max(1, room // 2) if bulk else room
+        for pending in express:
+            if used + len(pending.items) > cap and parts:
+                break
+            take(pending, len(pending.items))
+        for index, pending in enumerate(bulk):
+            left = len(pending.items) - pending.taken
+            if used + left <= room:
+                take(pending, left)
+                continue
+            if index == 0 and used < room:
+                # The head of the bulk work takes what room is left, the rest of it the next batches':
+                # a request larger than a batch runs a batch at a time, and express requests never
+                # keep the head from starting.
+                take(pending, room - used)
+            break
+        if all(pending.taken == len(pending.items) for pending in bulk):
+            for pending in express:  # no bulk work left waiting: the rows it did not need
+                if pending.taken == 0 and used + len(pending.items) <= room:
+                    take(pending, len(pending.items))
+        self._waiting = [p for p in self._waiting if p.taken < len(p.items)]
+        finished = sum(1 for part in parts if part.last)
+        with self._lock:
+            self._depth -= finished
+            self._queued_items -= used
+        if finished:
+            self._report_depth()
+        return parts
+
+    def _run_batch(self, batch: list[Part]) -> None:
+        live: list[Part] = []
         now = time.monotonic()
-        for pending in batch:
-            if not _claim(pending.future):
-                continue  # the caller gave up while it was queued
-            if pending.deadline <= now:
-                waited_ms = (now - pending.enqueued_at) * 1000
+        for part in batch:
+            pending = part.pending
+            if not pending.claimed:
+                if not _claim(pending.future):
+                    continue  # the caller gave up while it was queued
+                pending.claimed = True
+                if pending.deadline <= now:
+                    waited_ms = (now - pending.enqueued_at) * 1000
+                    _fail(
+                        pending.future,
+                        DeadlineExceeded(
+                            f"the request's deadline passed after {waited_ms:.0f} ms in the queue",
+                            reason="expired_in_queue",
+                        ),
+                    )
+                    continue
+                pending.started_at = now
+            elif pending.future.done():
+                continue  # an earlier part failed it
+            elif pending.deadline <= now:
                 _fail(
                     pending.future,
                     DeadlineExceeded(
-                        f"the request's deadline passed after {waited_ms:.0f} ms in the queue",
-                        reason="expired_in_queue",
+                        "the request's deadline passed before its last items ran", reason="expired_in_batch"
                     ),
                 )
                 continue
-            pending.started_at = now
-            live.append(pending)
+            live.append(part)
         if not live:
             return
         with self._lock:
@@ -460,53 +670,66 @@ class Batcher:
             else:
                 self._run_sorted(live)
         finally:
-            for pending in live:
-                # A no-op unless delivery itself broke; no caller may hang on it.
-                _fail(pending.future, ModelError("the batch ended without a result for this request"))
+            for part in live:
+                if part.last:
+                    # A no-op unless delivery itself broke; no caller may hang on it.
+                    unanswered = ModelError("the batch ended without a result for this request")
+                    _fail(part.pending.future, unanswered)
 
-    def _shed_late(self, waiting: list[Pending], needs: Callable[[list[int]], list[float]]) -> set[int]:
-        """Refuse (503) the requests that would be answered past their latency budget; their indices.
+    def _shed_late(self, waiting: list[Part], needs: Callable[[list[int]], list[float]]) -> set[int]:
+        """Refuse (503) the requests that would be answered past their limit; their indices in ``waiting``.
 
-        ``needs(kept)``: for the requests of ``waiting`` at the indices
-        ``kept``, each one's model time still ahead of its answer (its own call
-        and those before it) if only those ran. The door and submit() admit on
-        a prediction; when the CPU is suddenly taken (a burst of refusals, a
-        noisy neighbour) batches run slower than predicted, and without this
-        their last requests would be answered late. Checked before each model
-        call, with the time already spent, so a slow call sheds what comes
-        after it. The latest is refused first and the rest judged again
-        without it: a request refused here costs its client the wait, not a
-        late answer, and its model time goes to the others.
+        ``needs(kept)``: for the parts of ``waiting`` at the indices ``kept``,
+        each one's model time still ahead of its answer in this batch (its own
+        call and those before it) if only those ran. A request's limit is its
+        deadline, and its latency budget too while the service is behind
+        (AdmissionRule.limit_s). The door and submit() admit on a prediction;
+        when the CPU is suddenly taken (a burst of refusals, a noisy neighbour)
+        or the demand turns out to outrun the answers, batches end later than
+        predicted, and without this their last requests would be answered late.
+        Checked before each model call, with the time already spent, so a slow
+        call sheds what comes after it. The latest is refused first and the rest
+        judged again without it: a request refused here costs its client the
+        wait, not a late answer, and its model time goes to the others. A
+        request with parts still to come counts their items at the measured rate.
         """
         if self._admission is None or not waiting:
             return set()
-        budget = self._admission.budget_s
         now = time.monotonic()
-        waited = [now - (p.enqueued_at if p.arrived is None else p.arrived) for p in waiting]
+        with self._lock:
+            spi = self._meter.seconds_per_item or 0.0
+            behind = self._pace.behind(now, self._meter.seconds_per_item)
+        waited = [now - part.pending.budget_from for part in waiting]
+        deadlines = [part.pending.deadline - part.pending.budget_from for part in waiting]
+        limits = [self._admission.limit_s(deadline_s, behind) for deadline_s in deadlines]
+        later = [(len(part.pending.items) - part.end) * spi for part in waiting]
         kept = list(range(len(waiting)))
         shed: set[int] = set()
         while kept:
-            ends = [waited[i] + need for i, need in zip(kept, needs(kept), strict=True)]
-            latest = max(range(len(kept)), key=ends.__getitem__)
-            if ends[latest] <= budget:
+            needed = zip(kept, needs(kept), strict=True)
+            over = [waited[i] + need + later[i] - limits[i] for i, need in needed]
+            latest = max(range(len(kept)), key=over.__getitem__)
+            if over[latest] <= 0:
                 break
             index = kept.pop(latest)
             shed.add(index)
-            pending = waiting[index]
+            pending = waiting[index].pending
             pending.started_at = None  # not served: the service meter learns no time from it
+            more_ms = (over[latest] + limits[index] - waited[index]) * 1000
+            what = "latency budget" if limits[index] < deadlines[index] else "deadline"
             _fail(
                 pending.future,
                 Overloaded(
                     f"the request waited {waited[index] * 1000:.0f} ms and would need about "
-                    f"{(ends[latest] - waited[index]) * 1000:.0f} ms more of the model, past the "
-                    f"{budget * 1000:.0f} ms latency budget; the service is overloaded, retry shortly",
+                    f"{more_ms:.0f} ms more of the model, past its {limits[index] * 1000:.0f} ms "
+                    f"{what}; the service is overloaded, retry shortly",
                     1,
                     reason="over_budget",
                 ),
             )
         return shed
 
-    def _predict_and_deliver(self, live: list[Pending]) -> None:
+    def _predict_and_deliver(self, live: list[Part]) -> None:
         # With no item sizes, an item is the cost model's unit: one call costs
         # its overhead plus a share per item.
         floor = self.cost.floor()
@@ -516,33 +739,33 @@ class Batcher:
                 return [floor.of(sum(len(live[i].items) for i in kept), 1)] * len(kept)
 
             shed = self._shed_late(live, needs)
-            live = [pending for index, pending in enumerate(live) if index not in shed]
+            live = [part for index, part in enumerate(live) if index not in shed]
             if not live:
                 return
-        items = [item for pending in live for item in pending.items]
+        items = [item for part in live for item in part.items]
         started = time.monotonic()
         outputs = self._call(items)
         if not isinstance(outputs, ServeError):
             self.cost.observe(len(items), time.monotonic() - started)
         if isinstance(outputs, ServeError):
             if len(live) == 1 or isinstance(outputs, Overloaded):
-                for pending in live:
-                    pending.batch_size = len(items)
-                    _fail(pending.future, outputs)
+                for part in live:
+                    part.pending.batch_size = len(items)
+                    _fail(part.pending.future, outputs)
                 return
             log.warning("batch of %d requests failed; re-running them one by one", len(live))
-            for pending in live:
-                self._predict_and_deliver([pending])
+            for part in live:
+                self._predict_and_deliver([part])
             return
         self._batch_ran(live, len(items), started)
         # One look at the whole batch answers the usual case; only a batch that
         # holds NaN or infinity is looked at request by request.
         finite = first_non_finite(outputs) is None
         start = 0
-        for pending in live:
-            end = start + len(pending.items)
-            pending.batch_size = len(items)
-            _answer(pending.future, outputs[start:end], finite)
+        for part in live:
+            end = start + len(part.items)
+            part.pending.batch_size = len(items)
+            _complete(part, outputs[start:end], finite)
             start = end
 
     def _call(self, items: list[Any]) -> Outputs | ServeError:
@@ -556,7 +779,7 @@ class Batcher:
             return client_error(exc, len(items))
         return outputs
 
-    def _run_sorted(self, live: list[Pending]) -> None:
+    def _run_sorted(self, live: list[Part]) -> None:
         """Run a batch of sized items as length-sorted sub-batches (see the design notes)."""
         batch = _Assembly(live)
         sizes = [size for size, _, _ in batch.order]
@@ -567,8 +790,8 @@ class Batcher:
             ranges = cut(sizes, estimate, max_tokens=self._max_tokens, max_rows=self._max_batch_size)
         # Before any sub-batch runs: a request is answered as soon as its last
         # sub-batch does, and its thread reads batch_size for X-Batch-Size then.
-        for pending in live:
-            pending.batch_size = len(batch.order)
+        for part in live:
+            part.pending.batch_size = len(batch.order)
         batch.plan(ranges)
         started = time.monotonic()
         padded = real = calls = 0
@@ -585,18 +808,19 @@ class Batcher:
                 padded += self._run_entries(batch, entries)
                 real += sum(size for size, _, _ in entries)
                 calls += 1
-        served = [pending for r, pending in enumerate(live) if r not in shed]
-        self._batch_ran(served, sum(len(pending.items) for pending in served), started)
+        served = [part for r, part in enumerate(live) if r not in shed]
+        self._batch_ran(served, sum(len(part.items) for part in served), started)
         notify(self._observer.on_sub_batches, real, padded, calls)
 
-    def _batch_ran(self, live: list[Pending], items: int, started: float) -> None:
+    def _batch_ran(self, live: list[Part], items: int, started: float) -> None:
         """Record a batch that ran from ``started``: the model time gathering expects, and the metrics."""
         elapsed = time.monotonic() - started
         # Smoothed so one slow batch does not stretch the next gathering window much.
         self._model_time_s = elapsed if self._model_time_s == 0 else 0.8 * self._model_time_s + 0.2 * elapsed
         with self._lock:
-            self._meter.batch_ran(elapsed, len(live))
-        notify(self._observer.on_batch, items, len(live), [started - p.enqueued_at for p in live], elapsed)
+            self._meter.batch_ran(elapsed, items)
+        waits = [started - part.pending.enqueued_at for part in live]
+        notify(self._observer.on_batch, items, len(live), waits, elapsed)
 
     def _run_entries(self, batch: _Assembly, entries: list[tuple[int, int, int]]) -> int:
         """One model call on ``entries``; answers the requests it completes. Returns its padded tokens."""
@@ -608,7 +832,7 @@ class Batcher:
             if len(entries) == 1 or isinstance(outputs, Overloaded):
                 for r in {r for _, r, _ in entries}:
                     batch.failed.add(r)
-                    _fail(batch.live[r].future, outputs)
+                    _fail(batch.live[r].pending.future, outputs)
                 return padded
             log.warning("sub-batch of %d items failed; re-running them one by one", len(entries))
             return sum(self._run_entries(batch, [e]) for e in entries if e[1] not in batch.failed)
@@ -617,31 +841,31 @@ class Batcher:
         # row by row once any call of this batch returned NaN or infinity.
         batch.finite = batch.finite and first_non_finite(outputs) is None
         for r in batch.store(entries, outputs):
-            _answer(batch.live[r].future, batch.result(r), batch.finite)
+            _complete(batch.live[r], batch.result(r), batch.finite)
         return padded
 
 
 class _Assembly:
-    """The items of one length-aware batch, in size order, and each request's rows as they come back."""
+    """The items of one length-aware batch, in size order, and each part's rows as they come back."""
 
-    def __init__(self, live: list[Pending]) -> None:
+    def __init__(self, live: list[Part]) -> None:
         self.live = live
-        # (size, request index, item index), sorted by size; sort() is stable, so
-        # equal sizes keep arrival order.
+        # (size, part index, item index in the part), sorted by size; sort() is
+        # stable, so equal sizes keep arrival order.
         self.order = sorted(
-            ((size, r, i) for r, pending in enumerate(live) for i, size in enumerate(pending.sizes or ())),
+            ((size, r, i) for r, part in enumerate(live) for i, size in enumerate(part.sizes)),
             key=lambda entry: entry[0],
         )
-        self.rows: list[list[Any]] = [[None] * len(pending.items) for pending in live]
-        self.left = [len(pending.items) for pending in live]
+        self.rows: list[list[Any]] = [[None] * (part.end - part.start) for part in live]
+        self.left = [part.end - part.start for part in live]
         self.array = [True] * len(live)  # every row came from an array: answer with one
         self.failed: set[int] = set()
         self.finite = True  # every call so far returned only finite outputs
         self.ranges: list[tuple[int, int]] = []
-        self.last: list[int] = []  # each request's last sub-batch
+        self.last: list[int] = []  # each part's last sub-batch
 
     def plan(self, ranges: list[tuple[int, int]]) -> None:
-        """The sub-batches ``order`` runs as, and the last one each request waits for."""
+        """The sub-batches ``order`` runs as, and the last one each part waits for."""
         self.ranges = ranges
         self.last = [0] * len(self.live)
         for k, (start, end) in enumerate(ranges):
@@ -649,10 +873,10 @@ class _Assembly:
                 self.last[r] = k
 
     def needs(self, k: int, waiting: list[int], estimate: Cost) -> Callable[[list[int]], list[float]]:
-        """``needs`` for _shed_late before sub-batch ``k``: each waiting request's model time to its end.
+        """``needs`` for _shed_late before sub-batch ``k``: each waiting part's model time to its end.
 
-        ``waiting``: request indices. Only the rows of the requests kept count,
-        so a call shrinks (or is skipped) as requests are refused.
+        ``waiting``: part indices. Only the rows of the parts kept count, so a
+        call shrinks (or is skipped) as requests are refused.
         """
 
         def needs(kept: list[int]) -> list[float]:
@@ -668,10 +892,10 @@ class _Assembly:
         return needs
 
     def items(self, entries: list[tuple[int, int, int]]) -> list[Any]:
-        return [self.live[r].items[i] for _, r, i in entries]
+        return [self.live[r].pending.items[self.live[r].start + i] for _, r, i in entries]
 
     def store(self, entries: list[tuple[int, int, int]], outputs: Outputs) -> list[int]:
-        """Keep each entry's output row; the requests this completed, by index."""
+        """Keep each entry's output row; the parts this completed, by index."""
         done = []
         is_array = isinstance(outputs, np.ndarray)
         for (_, r, i), row in zip(entries, outputs, strict=True):
@@ -687,6 +911,29 @@ class _Assembly:
     def result(self, r: int) -> Outputs:
         rows = self.rows[r]
         return np.stack(rows) if self.array[r] else rows
+
+
+def _complete(part: Part, rows: Outputs, finite: bool) -> None:
+    """A part's outputs are in: answer its request, or keep them until its last part's are.
+
+    ``finite``: the call they came from was checked whole and held neither NaN nor infinity.
+    """
+    pending = part.pending
+    if part.whole:
+        _answer(pending.future, rows, finite)
+        return
+    if pending.future.done():
+        return  # an earlier part failed it, or the watchdog did
+    if pending.rows is None:
+        pending.rows = [None] * len(pending.items)
+    pending.rows[part.start : part.end] = list(rows)
+    pending.array = pending.array and isinstance(rows, np.ndarray)
+    pending.finite = pending.finite and finite
+    pending.answered_rows += part.end - part.start
+    if pending.answered_rows == len(pending.items):
+        result: Outputs = np.stack(pending.rows) if pending.array else pending.rows
+        pending.rows = None
+        _answer(pending.future, result, pending.finite)
 
 
 def _claim(future: Reply) -> bool:

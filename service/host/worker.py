@@ -248,16 +248,21 @@ def room_test(
     batcher = getattr(runtime, "batcher", None)
     if runtime is None or batcher is None:
         return None
-    outstanding, seconds_per_request = batcher.load()
+    load = batcher.load()
     rule = runtime.admission
-    ahead = outstanding + in_transit
+    deadline_s = runtime.settings.request_timeout_ms / 1000
+    # A held request's items are not read yet: each counts as the recent mean.
+    per_request = load.items_per_request
+    ahead = load.outstanding + in_transit * per_request
 
     # A held request is let in on a fresh request's terms, its wait counted. Let
     # in at a turn of the loop that follows an answer, it reaches the door before
     # the resend of the client just answered: held clients get the room that
     # answer made before the clients just served can take it back.
     def fits(item: T, released: int) -> bool:
-        return rule.admits_fresh(now - arrived(item), predict_wait(ahead + released, seconds_per_request))
+        own = round(per_request)
+        predicted = predict_wait(round(ahead + released * per_request), load.seconds_per_item, own)
+        return rule.admits_fresh(now - arrived(item), predicted, deadline_s, load.behind)
 
     return fits
 

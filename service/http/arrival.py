@@ -15,6 +15,10 @@ so it imports nothing: the gunicorn master imports it through the worker class.
 
 from __future__ import annotations
 
+# The client's own deadline for a request, in milliseconds, as WSGI names the header
+# (X-Request-Timeout-Ms): the door reads it before the route does.
+TIMEOUT_ENVIRON_KEY = "HTTP_X_REQUEST_TIMEOUT_MS"
+
 # The monotonic time the worker stamped, then the arrival the door settled on.
 ARRIVAL_ENVIRON_KEY = "serve.arrived"
 

@@ -48,6 +48,7 @@ from service.http.arrival import (
     ARRIVAL_ENVIRON_KEY,
     LET_IN,
     RETURNING_ENVIRON_KEY,
+    TIMEOUT_ENVIRON_KEY,
     ask_to_hold,
     proxy_wait,
     settle_wait,
@@ -86,7 +87,10 @@ class Door:
         environ[ARRIVAL_ENVIRON_KEY] = now - waited
         self._metrics.observe_wait(waited)
         batcher = self._runtime.batcher if queued else None
-        predicted = batcher.predicted_wait() if batcher is not None else 0.0
+        # Weighed by its items before they are read: the body's length at the
+        # bytes per item of recent requests (the batcher checks the exact count).
+        items = batcher.estimate_items(_content_length(environ)) if batcher is not None else 1
+        predicted, behind = batcher.door_outlook(items) if batcher is not None else (0.0, False)
         returning = environ.get(RETURNING_ENVIRON_KEY)
         # A returning request waited out a hold the worker chose, not a queue: it
         # neither shows nor is refused by a standing queue (else a service whose
@@ -95,9 +99,18 @@ class Door:
         if not returning:
             with self._lock:
                 standing = self._standing.standing(waited, now)
-        refusal = self._runtime.admission.decide(waited, predicted, standing, returning == LET_IN)
+        refusal = self._runtime.admission.decide(
+            waited,
+            predicted,
+            deadline_s=_deadline_s(environ, self._runtime.settings.request_timeout_ms),
+            behind=behind,
+            standing=standing,
+            returning=returning == LET_IN,
+        )
         if refusal is None:
             return self._app(environ, start_response)
+        if batcher is not None and not returning:
+            batcher.refused(items)
         self._metrics.count_error(Overloaded(refusal.message, reason="over_budget"))
         body = orjson.dumps({"error": refusal.message})
         start_response(
@@ -144,3 +157,19 @@ class _Refusal:
                 left -= len(chunk)
         except Exception:  # a client gone, or a malformed chunk: the server closes the connection
             log.debug("the refused request's body could not be read to its end", exc_info=True)
+
+
+def _content_length(environ: dict[str, Any]) -> int | None:
+    raw = environ.get("CONTENT_LENGTH")
+    return int(raw) if raw and raw.isdigit() else None
+
+
+def _deadline_s(environ: dict[str, Any], timeout_ms: int) -> float:
+    """The request's time to its deadline: the request timeout, or less if its client asks.
+
+    A header that is not a positive integer is the route's to refuse (400); here it is ignored.
+    """
+    raw = environ.get(TIMEOUT_ENVIRON_KEY)
+    if raw is not None and raw.isdigit() and int(raw) > 0:
+        timeout_ms = min(timeout_ms, int(raw))
+    return timeout_ms / 1000

@@ -32,14 +32,13 @@ from werkzeug.wsgi import get_input_stream
 from service.batching.waiting import wait_result
 from service.errors import BadRequest, PayloadTooLarge
 from service.http.access import note_batch_size
-from service.http.arrival import ARRIVAL_ENVIRON_KEY, LET_IN, RETURNING_ENVIRON_KEY
+from service.http.arrival import ARRIVAL_ENVIRON_KEY, LET_IN, RETURNING_ENVIRON_KEY, TIMEOUT_ENVIRON_KEY
 from service.models import Model
 from service.models.base import Outputs
 from service.runtime import EXTENSION, ModelRuntime
 
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
 BATCH_SIZE_HEADER = "X-Batch-Size"
-_TIMEOUT_ENVIRON_KEY = "HTTP_" + TIMEOUT_HEADER.upper().replace("-", "_")
 
 # Turns a request body into the model's prepared items, or raises a ServeError.
 Parser = Callable[[bytes, Model], list[Any]]
@@ -70,7 +69,7 @@ def is_inference_path(path: str) -> bool:
 
 def deadline(started: float, limit_ms: int, environ: dict[str, Any]) -> float:
     """The request's monotonic deadline: ``limit_ms`` (SERVE_REQUEST_TIMEOUT_MS), or less if asked."""
-    raw = environ.get(_TIMEOUT_ENVIRON_KEY)
+    raw = environ.get(TIMEOUT_ENVIRON_KEY)
     if raw is not None:
         try:
             asked = int(raw)
@@ -118,9 +117,17 @@ def serve_batched(rt: ModelRuntime, environ: dict[str, Any], parse: Parser) -> B
     until = deadline(arrived, rt.settings.request_timeout_ms, environ)
     model, batcher = rt.require_ready()
     with batcher.in_flight():
-        items = parse(read_body(environ, rt.settings.max_body_bytes), model)
-        returning = environ.get(RETURNING_ENVIRON_KEY) == LET_IN
-        pending = batcher.submit(items, until, arrived, returning)
+        body = read_body(environ, rt.settings.max_body_bytes)
+        items = parse(body, model)
+        returning = environ.get(RETURNING_ENVIRON_KEY)
+        pending = batcher.submit(
+            items,
+            until,
+            arrived,
+            returning=returning == LET_IN,
+            resend=returning is not None,
+            body_bytes=len(body),
+        )
         outputs = wait_result(pending.future, until - time.monotonic())
     note_batch_size(environ, pending.batch_size)
     return Batched(model, outputs, pending.batch_size)

@@ -72,14 +72,14 @@ def load_json(body: bytes | memoryview, example: str) -> Any:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
 
 
-def check_count(count: int, max_items: int, field: str = "inputs") -> None:
-    """Refuse a request of no items, or of more than SERVE_MAX_ITEMS_PER_REQUEST, before any is read."""
+def check_count(
+    count: int, max_items: int, field: str = "inputs", setting: str = "SERVE_MAX_ITEMS_PER_REQUEST"
+) -> None:
+    """Refuse a request of no items, or of more than ``max_items`` (``setting``), before any is read."""
     if count == 0:
         raise InvalidInput(f'"{field}" is empty; send at least one item')
     if count > max_items:
-        raise PayloadTooLarge(
-            f'"{field}" holds {count} items; the limit is {max_items} (SERVE_MAX_ITEMS_PER_REQUEST)'
-        )
+        raise PayloadTooLarge(f'"{field}" holds {count} items; the limit is {max_items} ({setting})')
 
 
 def prepare_items(values: list[Any], model: Model, max_items: int, field: str = "inputs") -> list[Any]:

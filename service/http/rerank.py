@@ -32,7 +32,7 @@ from service.http.inference import (
     serve_batched,
     serve_naive,
 )
-from service.http.payload import load_json, prepare_items, require_json
+from service.http.payload import check_count, load_json, prepare_items, require_json
 from service.models import Model
 from service.models.base import MAX_TEXT_CHARS, RERANK, item_sizer, json_type, task_of
 from service.runtime import ModelRuntime
@@ -83,7 +83,7 @@ def answer_rerank(
         check_rerank_model(model)
         require_json(environ.get("CONTENT_TYPE"))
         document = load_json(body, EXAMPLE)
-        asked.append(parse_request(document, model, rt.settings.max_items_per_request))
+        asked.append(parse_request(document, model, rt.settings.documents_limit))
         return asked[0].items
 
     done = serve_naive(rt, environ, parse) if naive else serve_batched(rt, environ, parse)
@@ -147,6 +147,7 @@ def parse_request(document: Any, model: Model, max_items: int) -> RerankRequest:
         raise BadField(f'"rank_fields" may only be ["text"], got {rank_fields!r:.80}')
     query = _query(document.get("query"))
     texts = _documents(document.get("documents"), max_items)
+    check_count(len(texts), max_items, "documents", "SERVE_MAX_DOCUMENTS_PER_REQUEST")
     top_n = _top_n(document.get("top_n"), len(texts))
     return_documents = document.get("return_documents", False)
     if not isinstance(return_documents, bool):

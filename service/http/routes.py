@@ -138,6 +138,7 @@ def info() -> Response:
             },
             "limits": {
                 "max_items_per_request": s.max_items_per_request,
+                "max_documents_per_request": s.documents_limit,
                 "max_body_bytes": s.max_body_bytes,
                 "request_timeout_ms": s.request_timeout_ms,
                 # null when SERVE_LATENCY_BUDGET_MS=0 turned the budget off

@@ -22,6 +22,10 @@ PROBE_HEADROOM = 8
 # overload it must accept a connection to refuse its request in a millisecond; one
 # left in the listen backlog waits there unseen by the latency budget.
 SHED_HEADROOM = 1000
+# Requests a gevent worker keeps connections for beyond its running batch, in
+# full batches: the queue itself is bounded in items (SERVE_MAX_QUEUE), not in
+# connections, so this is what a worker's clients need while others wait.
+QUEUED_BATCHES = 4
 # A worker must be up within this: importing torch and building the app. The
 # model loads afterwards in a thread of its own, outside the heartbeat.
 BOOT_TIMEOUT_S = 60
@@ -367,13 +371,14 @@ def _concurrency(
         # A greenlet per open connection, idle keep-alive ones included, and greenlets are
         # cheap: admit a running batch, a full queue and the requests it is refusing, so
         # an overloaded worker answers its own 503 instead of leaving connections unaccepted.
+        queued = QUEUED_BATCHES * settings.max_batch_size
         connections = settings.worker_connections or (
-            settings.max_batch_size + settings.queue_limit + PROBE_HEADROOM + SHED_HEADROOM
+            settings.max_batch_size + queued + PROBE_HEADROOM + SHED_HEADROOM
         )
         why = (
             "SERVE_WORKER_CONNECTIONS"
             if settings.worker_connections
-            else f"max batch size {settings.max_batch_size} + max queue {settings.queue_limit} "
+            else f"max batch size {settings.max_batch_size} + {queued} queued (4 batches) "
             f"+ 8 for probes + {SHED_HEADROOM} to refuse under overload"
         )
         decisions.append(Decision("connections per worker", str(connections), why))

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from service.batching.admission import AdmissionRule, ServiceMeter
+from service.batching.admission import AdmissionRule, Pace, ServiceMeter
 from service.batching.batcher import Pending
 from service.batching.waiting import wait_result
 from service.errors import Overloaded
@@ -26,8 +26,18 @@ def gated() -> GatedPredict:
     return GatedPredict()
 
 
-def test_a_request_that_arrived_past_its_budget_is_refused_at_submit() -> None:
-    batcher = started(lambda items: items, admission=AdmissionRule(budget_s=1.0))
+class Behind(Pace):
+    """A pace that says the arrivals outrun the answers: the latency budget applies."""
+
+    def __init__(self) -> None:
+        super().__init__(batch_items=1)
+
+    def behind(self, now: float, seconds_per_item: float | None) -> bool:
+        return True
+
+
+def test_a_request_that_arrived_past_its_budget_is_refused_at_submit_while_behind() -> None:
+    batcher = started(lambda items: items, admission=AdmissionRule(budget_s=1.0), pace=Behind())
     try:
         with pytest.raises(Overloaded, match="past the 1000 ms it may wait") as refused:
             batcher.submit([1], FAR, arrived=time.monotonic() - 2)
@@ -59,7 +69,7 @@ def test_the_prediction_counts_the_requests_held_and_forgets_the_answered(gated:
         for pending in held:
             wait_result(pending.future, 10)
         # Everything answered: only the newcomer's own time is left.
-        assert batcher.predicted_wait() == pytest.approx(batcher._meter.seconds_per_request)
+        assert batcher.predicted_wait() == pytest.approx(batcher._meter.seconds_per_item)
     finally:
         gated.gate.set()
         batcher.stop(10)
@@ -92,7 +102,7 @@ def test_the_requests_their_batch_would_answer_past_the_budget_are_refused_lates
     gated: GatedPredict,
 ) -> None:
     # 0.1 s a item, no overhead per call (a model that reports no item sizes: an item is the unit).
-    batcher = started(gated, admission=AdmissionRule(budget_s=2.0), cost=cost(0.0, 0.1))
+    batcher = started(gated, admission=AdmissionRule(budget_s=2.0), cost=cost(0.0, 0.1), pace=Behind())
     try:
         first = batcher.submit(["a"], FAR)
         gated.wait_entered()
@@ -105,7 +115,7 @@ def test_the_requests_their_batch_would_answer_past_the_budget_are_refused_lates
         wait_result(first.future, 10)
         # Their 9 items would take 0.9 s: the first two would end past 2 s. Without the
         # latest, 6 items take 0.6 s, and the middle one ends at about 1.85 s: in time.
-        with pytest.raises(Overloaded, match="past the 2000 ms latency budget") as refused:
+        with pytest.raises(Overloaded, match="past its 2000 ms latency budget") as refused:
             wait_result(late.future, 10)
         assert refused.value.reason == "over_budget"
         assert wait_result(middle.future, 10) == ["out:c"] * 3
@@ -113,9 +123,9 @@ def test_the_requests_their_batch_would_answer_past_the_budget_are_refused_lates
         assert gated.batches == [["a"], ["c"] * 3 + ["d"] * 3]  # the refused request never reached the model
         # It left the meter's count too (the count drops in the reply's callbacks, just after the wake).
         deadline = time.monotonic() + 10
-        while batcher.load()[0] != 0 and time.monotonic() < deadline:
+        while batcher.load().outstanding != 0 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert batcher.load()[0] == 0
+        assert batcher.load().outstanding == 0
     finally:
         gated.gate.set()
         batcher.stop(10)
@@ -142,6 +152,7 @@ def sized_batch(predict: FirstCallSlow, recorder: Recorder) -> tuple[Pending, Pe
         recorder,
         cost=cost(0.001, 1e-4),  # the long item's call: about 0.3 s
         admission=AdmissionRule(budget_s=1.0),
+        pace=Behind(),
     )
     short = batcher.submit([2], FAR, arrived=time.monotonic())
     long = batcher.submit([3000], FAR, arrived=time.monotonic() - 0.3)
@@ -191,7 +202,7 @@ class FlatPredict:
 
 def test_a_batch_is_not_refused_on_a_guess_from_calls_of_one_size() -> None:
     predict = FlatPredict(0.2)
-    batcher = started(predict, admission=AdmissionRule(budget_s=1.0))
+    batcher = started(predict, admission=AdmissionRule(budget_s=1.0), pace=Behind())
     try:
         # Every call so far held one item, so nothing shows how time grows with items.
         assert wait_result(batcher.submit(["a"], FAR).future, 10) == ["out:a"]
@@ -207,4 +218,38 @@ def test_a_batch_is_not_refused_on_a_guess_from_calls_of_one_size() -> None:
         assert [wait_result(p.future, 10) for p in queued] == [[f"out:c{i}"] for i in range(8)]
         assert predict.batches[2:] == [[f"c{i}" for i in range(8)]]
     finally:
+        batcher.stop(10)
+
+
+def test_while_the_service_keeps_up_a_request_past_its_budget_is_answered_by_its_deadline() -> None:
+    # Closed-loop clients queue longer than the budget; they are not overload.
+    batcher = started(lambda items: items, admission=AdmissionRule(budget_s=1.0))
+    try:
+        assert wait_result(batcher.submit([1], FAR, arrived=time.monotonic() - 2).future, 10) == [1]
+        # Its deadline still rules: one that arrived past it is refused.
+        now = time.monotonic()
+        with pytest.raises(Overloaded, match="past the 1500 ms it may wait") as refused:
+            batcher.submit([2], now - 0.5, arrived=now - 2.0)
+        assert refused.value.reason == "over_budget"
+    finally:
+        batcher.stop(10)
+
+
+def test_a_request_queued_behind_work_past_its_deadline_is_refused_before_its_model_call(
+    gated: GatedPredict,
+) -> None:
+    # 0.1 s an item: behind the running call, three items (0.3 s) cannot end within a 0.2 s deadline.
+    batcher = started(gated, admission=AdmissionRule(budget_s=1.0), cost=cost(0.0, 0.1))
+    try:
+        first = batcher.submit(["a"], FAR)
+        gated.wait_entered()
+        now = time.monotonic()
+        short = batcher.submit(["b"] * 3, now + 0.2, arrived=now)
+        gated.gate.set()
+        wait_result(first.future, 10)
+        with pytest.raises(Overloaded, match="past its 200 ms deadline"):
+            wait_result(short.future, 10)
+        assert gated.batches == [["a"]]
+    finally:
+        gated.gate.set()
         batcher.stop(10)

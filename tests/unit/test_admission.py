@@ -1,4 +1,4 @@
-"""The admission rule, the wait prediction and the service meter: pure, given times, no clock or threads."""
+"""The admission rule, the wait prediction, the service meter and the pace: pure, given times, no clock."""
 
 from __future__ import annotations
 
@@ -6,15 +6,23 @@ import math
 
 import pytest
 
-from service.batching.admission import AdmissionRule, ServiceMeter, StandingQueue, predict_wait
+from service.batching.admission import AdmissionRule, Pace, ServiceMeter, StandingQueue, predict_wait
+
+# The request timeout by default: what a request may take while the service keeps up.
+DEADLINE = 30.0
+
+
+def behind(rule: AdmissionRule, waited: float, predicted: float, **options: bool) -> object:
+    """The rule's verdict on a request while arrivals outrun the answers, with the default deadline."""
+    return rule.decide(waited, predicted, deadline_s=DEADLINE, behind=True, **options)
 
 
 def test_a_request_within_its_budget_is_admitted() -> None:
-    assert AdmissionRule(budget_s=3.0).decide(waited_s=0.5, predicted_s=1.0) is None
+    assert behind(AdmissionRule(budget_s=3.0), 0.5, 1.0) is None
 
 
 def test_a_request_that_already_waited_its_budget_is_refused_whatever_the_queue() -> None:
-    refusal = AdmissionRule(budget_s=3.0).decide(waited_s=3.0, predicted_s=0.0)
+    refusal = behind(AdmissionRule(budget_s=3.0), 3.0, 0.0)
     assert refusal is not None
     assert "waited 3000 ms" in refusal.message and "past the 3000 ms it may wait" in refusal.message
     assert refusal.retry_after_s == 1
@@ -23,8 +31,8 @@ def test_a_request_that_already_waited_its_budget_is_refused_whatever_the_queue(
 def test_a_request_the_work_ahead_would_take_past_its_budget_is_refused() -> None:
     rule = AdmissionRule(budget_s=3.0)
     # The prediction counts twice (PREDICTION_MARGIN): an average can be off by that much.
-    assert rule.decide(waited_s=1.0, predicted_s=1.0) is None  # exactly on budget
-    refusal = rule.decide(waited_s=1.0, predicted_s=1.5)
+    assert behind(rule, 1.0, 1.0) is None  # exactly on budget
+    refusal = behind(rule, 1.0, 1.5)
     assert refusal is not None
     assert "about 1500 ms" in refusal.message
     # Told to come back when the work now ahead is done.
@@ -35,18 +43,22 @@ def test_the_predicted_wait_counts_the_work_ahead_and_the_newcomer_itself() -> N
     assert predict_wait(0, 0.01) == pytest.approx(0.01)
     assert predict_wait(99, 0.01) == pytest.approx(1.0)
     assert predict_wait(-3, 0.01) == pytest.approx(0.01)
+    # Counted in items: a request of 32 texts waits for its own 32.
+    assert predict_wait(64, 0.01, own=32) == pytest.approx(0.96)
 
 
 def test_an_infinite_budget_refuses_nothing() -> None:
     rule = AdmissionRule(budget_s=math.inf)
-    assert rule.decide(waited_s=1e6, predicted_s=1e6, standing=True) is None
+    assert rule.decide(1e6, 1e6, deadline_s=math.inf, behind=True, standing=True) is None
+    # Only the deadline is left to refuse on.
+    assert behind(rule, 1.0, 1e6, standing=True) is not None
     assert not rule.standing_queue().standing(1e6, now=0.0)
     assert not rule.standing_queue().standing(1e6, now=1e9)
 
 
 def test_an_unmeasured_service_predicts_no_wait() -> None:
     assert predict_wait(500, None) == 0.0
-    assert ServiceMeter().seconds_per_request is None
+    assert ServiceMeter().seconds_per_item is None
 
 
 def test_the_rate_is_trusted_only_after_enough_requests_were_served() -> None:
@@ -55,9 +67,9 @@ def test_the_rate_is_trusted_only_after_enough_requests_were_served() -> None:
     meter = ServiceMeter(window=10_000, min_served=3)
     meter.completed(now=1.0, arrived=0.0, served=True)
     meter.completed(now=1.1, arrived=0.0, served=True)
-    assert meter.seconds_per_request is None
+    assert meter.seconds_per_item is None
     meter.completed(now=1.2, arrived=0.0, served=True)
-    assert meter.seconds_per_request == pytest.approx(1.2 / 3, rel=1e-3)
+    assert meter.seconds_per_item == pytest.approx(1.2 / 3, rel=1e-3)
 
 
 def test_the_meter_counts_the_requests_it_holds() -> None:
@@ -78,7 +90,7 @@ def test_a_backlog_served_in_batches_gives_the_time_per_request() -> None:
     for batch in range(1, 5):
         for _ in range(16):
             meter.completed(now=0.4 * batch, arrived=0.0, served=True)
-    assert meter.seconds_per_request == pytest.approx(0.025, rel=0.05)
+    assert meter.seconds_per_item == pytest.approx(0.025, rel=0.05)
 
 
 def test_idle_time_between_requests_does_not_lower_the_rate() -> None:
@@ -86,14 +98,14 @@ def test_idle_time_between_requests_does_not_lower_the_rate() -> None:
     meter = ServiceMeter(window=10_000, min_served=1)
     for second in range(10):
         meter.completed(now=second + 0.01, arrived=float(second), served=True)
-    assert meter.seconds_per_request == pytest.approx(0.01)
+    assert meter.seconds_per_item == pytest.approx(0.01)
 
 
 def test_requests_that_left_unserved_add_no_time() -> None:
     meter = ServiceMeter(window=10_000, min_served=1)
     meter.completed(now=0.01, arrived=0.0, served=True)
     meter.completed(now=5.0, arrived=0.0, served=False)  # expired in the queue
-    assert meter.seconds_per_request == pytest.approx(0.01)
+    assert meter.seconds_per_item == pytest.approx(0.01)
 
 
 def test_the_meter_follows_a_change_of_speed() -> None:
@@ -105,7 +117,7 @@ def test_the_meter_follows_a_change_of_speed() -> None:
     for _ in range(200):
         t += 0.04
         meter.completed(now=t, arrived=0.0, served=True)
-    assert meter.seconds_per_request == pytest.approx(0.04, rel=0.01)
+    assert meter.seconds_per_item == pytest.approx(0.04, rel=0.01)
 
 
 def batches(meter: ServiceMeter, t: float, count: int, seconds: float, size: int = 16) -> float:
@@ -122,25 +134,25 @@ def test_the_meter_believes_a_slowdown_within_a_batch_or_two() -> None:
     meter = ServiceMeter(min_served=1)
     t = batches(meter, 0.0, 100, seconds=0.15)  # 10 ms a request, gathering included
     # Steady: the long average (which counts the gathering) is the slower, and rules.
-    assert meter.seconds_per_request == pytest.approx(0.01, rel=0.05)
+    assert meter.seconds_per_item == pytest.approx(0.01, rel=0.05)
     # The model becomes four times slower: one batch of it moves the long average by
     # little, and the meter believes most of it at once.
     t = batches(meter, t, 1, seconds=0.6)
-    assert meter.seconds_per_request is not None and meter.seconds_per_request > 0.02
+    assert meter.seconds_per_item is not None and meter.seconds_per_item > 0.02
     t = batches(meter, t, 1, seconds=0.6)
-    assert meter.seconds_per_request > 0.03
+    assert meter.seconds_per_item > 0.03
     # A speed-up is believed only as the long average sees it.
     t = batches(meter, t, 20, seconds=0.6)
     batches(meter, t, 2, seconds=0.15)  # back to 10 ms a request for two batches
-    assert meter.seconds_per_request > 0.02
+    assert meter.seconds_per_item > 0.02
 
 
 def test_a_batch_that_served_no_request_teaches_the_meter_nothing() -> None:
     meter = ServiceMeter(min_served=1)
     batches(meter, 0.0, 10, seconds=0.15)
-    before = meter.seconds_per_request
+    before = meter.seconds_per_item
     meter.batch_ran(5.0, 0)  # every request of it was refused before its model call
-    assert meter.seconds_per_request == before
+    assert meter.seconds_per_item == before
 
 
 def test_a_meter_needs_a_positive_window() -> None:
@@ -151,10 +163,10 @@ def test_a_meter_needs_a_positive_window() -> None:
 def test_while_the_door_queue_stands_what_waited_past_a_tenth_of_the_budget_is_refused() -> None:
     rule = AdmissionRule(budget_s=2.0)
     assert rule.door_target_s == pytest.approx(0.2)
-    assert rule.decide(waited_s=0.3, predicted_s=0.1) is None
-    refusal = rule.decide(waited_s=0.3, predicted_s=0.1, standing=True)
+    assert behind(rule, 0.3, 0.1) is None
+    refusal = behind(rule, 0.3, 0.1, standing=True)
     assert refusal is not None and "past the 200 ms it may wait there" in refusal.message
-    assert rule.decide(waited_s=0.1, predicted_s=0.1, standing=True) is None
+    assert behind(rule, 0.1, 0.1, standing=True) is None
 
 
 def test_a_queue_is_standing_once_every_wait_for_an_interval_was_over_the_target() -> None:
@@ -171,18 +183,135 @@ def test_a_queue_is_standing_once_every_wait_for_an_interval_was_over_the_target
 def test_a_returning_client_is_let_in_with_a_smaller_margin() -> None:
     rule = AdmissionRule(budget_s=2.0)
     # 1.2 s of work ahead: past half the budget, within two thirds of it.
-    assert rule.decide(0.0, 1.2) is not None
-    assert rule.decide(0.0, 1.2, returning=True) is None
+    assert behind(rule, 0.0, 1.2) is not None
+    assert behind(rule, 0.0, 1.2, returning=True) is None
     # Past two thirds of the budget, a returning client is refused too.
-    refusal = rule.decide(0.0, 1.4, returning=True)
+    refusal = behind(rule, 0.0, 1.4, returning=True)
     assert refusal is not None and refusal.retry_after_s == 2
 
 
 def test_a_held_request_is_let_in_early_on_a_fresh_requests_terms() -> None:
     rule = AdmissionRule(budget_s=2.0)
-    assert rule.admits_fresh(0.5, 0.75)  # 0.5 s waited, 2 x 0.75 s ahead: the whole budget, just in
-    assert not rule.admits_fresh(0.5, 0.76)
+    assert rule.admits_fresh(
+        0.5, 0.75, DEADLINE, behind=True
+    )  # 0.5 s waited, 2 x 0.75 s ahead: the whole budget, just in
+    assert not rule.admits_fresh(0.5, 0.76, DEADLINE, behind=True)
     # What it lets in, the door admits, with room for a few that get there first.
-    assert rule.decide(0.5, 0.75, returning=True) is None
-    assert rule.decide(0.5, 0.95, returning=True) is None
-    assert rule.decide(0.5, 1.05, returning=True) is not None
+    assert behind(rule, 0.5, 0.75, returning=True) is None
+    assert behind(rule, 0.5, 0.95, returning=True) is None
+    assert behind(rule, 0.5, 1.05, returning=True) is not None
+
+
+def test_while_the_service_keeps_up_a_request_may_take_until_its_deadline() -> None:
+    rule = AdmissionRule(budget_s=2.0)
+    # 15 s of work ahead: far past the budget, within the deadline with DEADLINE_MARGIN to spare.
+    assert rule.decide(0.5, 15.0, deadline_s=DEADLINE, behind=False) is None
+    # The same request, once arrivals outrun the answers, is refused on the budget.
+    refused = rule.decide(0.5, 15.0, deadline_s=DEADLINE, behind=True)
+    assert refused is not None and "latency budget" in refused.message
+    # Keeping up or not, a request whose deadline the work ahead would pass is refused, and told so.
+    late = rule.decide(0.5, 20.0, deadline_s=DEADLINE, behind=False)
+    assert late is not None and "past the request's 30000 ms deadline" in late.message
+    assert late.retry_after_s == 20
+    # A client's own, shorter deadline (X-Request-Timeout-Ms) is the limit.
+    assert rule.decide(0.0, 1.0, deadline_s=1.2, behind=False) is not None
+
+
+def test_while_the_service_keeps_up_a_standing_wait_before_the_handler_is_no_overload() -> None:
+    # Closed-loop clients outnumbering the request threads wait for one, a standing
+    # queue that never grows: only a service that is behind sheds on it.
+    rule = AdmissionRule(budget_s=2.0)
+    assert rule.decide(3.0, 0.1, deadline_s=DEADLINE, behind=False, standing=True) is None
+    assert rule.decide(0.3, 0.1, deadline_s=DEADLINE, behind=True, standing=True) is not None
+    # Past the deadline itself, no wait is admitted.
+    assert rule.decide(DEADLINE, 0.0, deadline_s=DEADLINE, behind=False) is not None
+
+
+def test_a_held_request_is_let_in_on_its_deadline_while_the_service_keeps_up() -> None:
+    rule = AdmissionRule(budget_s=2.0)
+    assert rule.admits_fresh(0.5, 10.0, DEADLINE, behind=False)
+    assert not rule.admits_fresh(0.5, 10.0, DEADLINE, behind=True)
+    assert rule.limit_s(DEADLINE, behind=False) == DEADLINE
+    assert rule.limit_s(DEADLINE, behind=True) == 2.0
+    assert rule.limit_s(1.0, behind=True) == 1.0  # a deadline shorter than the budget still rules
+
+
+def test_the_meter_weighs_requests_by_their_items() -> None:
+    meter = ServiceMeter(window=10_000, min_served=1)
+    meter.submitted(64)
+    meter.submitted(1)
+    assert meter.outstanding == 65
+    # A batch of 64 texts answered in 0.64 s: 10 ms an item, not 640 ms a request.
+    meter.completed(now=0.64, arrived=0.0, served=True, items=64)
+    assert meter.outstanding == 1
+    assert meter.seconds_per_item == pytest.approx(0.01)
+
+
+# The pace: 10 ms an item, so a window (0.5 s) answers 50 items, and PACE_TOLERANCE of it is 5.
+ITEM_S = 0.01
+BATCH = 64
+
+
+def closed_loop(pace: Pace, start: float, seconds: float, clients: int, texts: int) -> float:
+    """Clients that each send their next request the moment the last is answered: the time after."""
+    t = start
+    per_request = texts * ITEM_S
+    while t < start + seconds:
+        t += per_request
+        pace.answered(texts, t)
+        pace.offered(texts, t + 0.002)
+        assert not pace.behind(t + 0.002, ITEM_S), f"behind at {t:.2f} s with {clients} closed-loop clients"
+    return t
+
+
+def test_a_closed_loop_keeps_up_however_long_its_standing_queue() -> None:
+    pace = Pace(batch_items=BATCH)
+    pace.offered(64 * 32, 0.0)  # 64 clients start at once: 20 s of work queued
+    closed_loop(pace, 0.0, 30.0, clients=64, texts=32)
+
+
+def test_clients_joining_a_closed_loop_are_a_step_not_a_rate() -> None:
+    pace = Pace(batch_items=BATCH)
+    pace.offered(4 * 32, 0.0)
+    t = closed_loop(pace, 0.0, 5.0, clients=4, texts=32)
+    pace.offered(60 * 32, t + 0.24)  # 60 more clients, straddling a window's end
+    pace.offered(0, t + 0.26)
+    closed_loop(pace, t + 0.26, 10.0, clients=64, texts=32)
+
+
+def test_arrivals_that_outrun_the_answers_put_the_service_behind_and_it_recovers() -> None:
+    pace = Pace(batch_items=BATCH)
+    t, verdicts = 0.0, []
+    # Open loop at twice capacity: 2 items every 10 ms, 1 answered.
+    while t < 3.0:
+        t += ITEM_S
+        pace.offered(2, t)
+        pace.answered(1, t)
+        verdicts.append((t, pace.behind(t, ITEM_S)))
+    first = next(at for at, late in verdicts if late)
+    assert 1.5 <= first <= 2.6  # within a few windows of the overload's start
+    assert all(late for at, late in verdicts if at > first)
+    # The overload ends: arrivals match the answers again, and within a window or two it is not behind.
+    while t < 4.5:
+        t += ITEM_S
+        pace.offered(1, t)
+        pace.answered(1, t)
+    assert not pace.behind(t, ITEM_S)
+
+
+def test_refused_demand_keeps_an_overloaded_service_behind() -> None:
+    # Once it sheds, the queue stops growing, but the refused requests count as demand unmet.
+    pace = Pace(batch_items=BATCH)
+    t = 0.0
+    while t < 4.0:
+        t += ITEM_S
+        pace.offered(5, t)  # 5x capacity, four of every five refused
+        pace.answered(1, t)
+    assert pace.behind(t, ITEM_S)
+
+
+def test_an_unmeasured_or_idle_service_is_not_behind() -> None:
+    pace = Pace(batch_items=BATCH)
+    pace.offered(10_000, 0.0)
+    assert not pace.behind(5.0, None)  # no rate yet: nothing to compare with
+    assert not pace.behind(100.0, ITEM_S)  # idle since: the backlog did not grow

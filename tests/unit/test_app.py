@@ -55,7 +55,7 @@ def test_probes_and_info(client: FlaskClient) -> None:
         ({"json": {"inputs": [VECTOR, [1, 2]]}}, 422, "inputs[1]"),
         ({"json": {"inputs": [VECTOR] * 9}}, 413, "limit is 8"),
         (
-            {"data": b"[" + b" " * 2_000_000 + b"]", "content_type": "application/json"},
+            {"data": b"[" + b" " * (9 << 20) + b"]", "content_type": "application/json"},
             413,
             "SERVE_MAX_BODY_BYTES",
         ),

@@ -1,4 +1,10 @@
-"""Admission at the door, in process: a request that waited past its budget gets a cheap 503."""
+"""Admission at the door, in process: a request that cannot be answered in time gets a cheap 503.
+
+A request that waited past its deadline is refused whatever the pace; one that
+waited only past its latency budget is served while the service keeps up
+(service.batching.admission.Pace). These tests make a request old with a stale
+arrival stamp, so the refusing ones shorten the deadline to the budget.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ BODY = {"inputs": [[0.0] * 16]}
 def test_a_request_that_waited_past_its_budget_gets_503_with_retry_after(
     make_client: Callable[[Settings], FlaskClient],
 ) -> None:
-    client = make_client(SMALL_MLP.replace(latency_budget_ms=1000))
+    client = make_client(SMALL_MLP.replace(latency_budget_ms=1000, request_timeout_ms=1000))
     stale = f"t={time.time() - 2:.3f}"  # as nginx stamps it: it waited 2 s before reaching the worker
     for path in ("/predict", "/predict/batched", "/predict/naive"):
         response = client.post(path, json=BODY, headers={"X-Request-Start": stale, "X-Request-ID": "abc-1"})
@@ -33,13 +39,30 @@ def test_a_request_that_waited_past_its_budget_gets_503_with_retry_after(
 
 
 def test_refused_before_the_body_is_even_parsed(make_client: Callable[[Settings], FlaskClient]) -> None:
-    client = make_client(SMALL_MLP.replace(latency_budget_ms=1000))
+    client = make_client(SMALL_MLP.replace(latency_budget_ms=1000, request_timeout_ms=1000))
     response = client.post(
         "/predict/batched",
         data=b"{not json",
         headers={"Content-Type": "application/json", "X-Request-Start": f"t={time.time() - 5:.3f}"},
     )
     assert response.status_code == 503
+
+
+def test_while_the_service_keeps_up_a_request_past_its_budget_is_served_by_its_deadline(
+    make_client: Callable[[Settings], FlaskClient],
+) -> None:
+    # Closed-loop clients that outnumber the request threads wait before the handler: no overload.
+    client = make_client(SMALL_MLP.replace(latency_budget_ms=1000))
+    stale = f"t={time.time() - 2:.3f}"
+    for path in ("/predict", "/predict/batched", "/predict/naive"):
+        response = client.post(path, json=BODY, headers={"X-Request-Start": stale})
+        assert response.status_code == 200, response.text
+    # Its client's own deadline (X-Request-Timeout-Ms) rules at the door too.
+    response = client.post(
+        "/predict/batched", json=BODY, headers={"X-Request-Start": stale, "X-Request-Timeout-Ms": "1500"}
+    )
+    assert response.status_code == 503
+    assert "past the 1500 ms it may wait" in response.json["error"]
 
 
 def test_a_fresh_request_and_a_forged_future_stamp_are_served(client: FlaskClient) -> None:
@@ -49,7 +72,7 @@ def test_a_fresh_request_and_a_forged_future_stamp_are_served(client: FlaskClien
 
 
 def test_other_paths_pass_the_door_untouched(make_client: Callable[[Settings], FlaskClient]) -> None:
-    client = make_client(SMALL_MLP.replace(latency_budget_ms=1000))
+    client = make_client(SMALL_MLP.replace(latency_budget_ms=1000, request_timeout_ms=1000))
     stale = {"X-Request-Start": f"t={time.time() - 5:.3f}"}
     assert client.get("/readyz", headers=stale).status_code == 200
     assert client.get("/predict/batched", headers=stale).status_code == 405
@@ -72,7 +95,7 @@ def spied(client: FlaskClient) -> list[dict[str, Any]]:
 def test_a_refused_connection_is_held_for_its_retry_after_through_a_proxy_too(
     make_client: Callable[[Settings], FlaskClient],
 ) -> None:
-    client = make_client(SMALL_MLP.replace(latency_budget_ms=1000))
+    client = make_client(SMALL_MLP.replace(latency_budget_ms=1000, request_timeout_ms=1000))
     environs = spied(client)
     # As the gthread worker stamps it: the connection was readable 5 s ago.
     straight = client.post(
@@ -101,7 +124,9 @@ def test_a_refused_connection_is_held_for_its_retry_after_through_a_proxy_too(
 def test_with_holds_off_a_refused_connection_is_read_again_at_once(
     make_client: Callable[[Settings], FlaskClient],
 ) -> None:
-    client = make_client(SMALL_MLP.replace(latency_budget_ms=1000, hold_refused=False))
+    client = make_client(
+        SMALL_MLP.replace(latency_budget_ms=1000, request_timeout_ms=1000, hold_refused=False)
+    )
     environs = spied(client)
     refused = client.post(
         "/predict", json=BODY, environ_overrides={ARRIVAL_ENVIRON_KEY: time.monotonic() - 5}

@@ -14,7 +14,16 @@ def test_defaults_with_an_empty_environment() -> None:
     assert settings.model == "minilm"
     assert settings.max_batch_size == 64
     assert settings.max_batch_delay_ms == 0
-    assert settings.queue_limit == 4 * 64
+    # Counted in items: sixteen requests of the most items (OpenAI's 2,048 inputs) a request may hold.
+    assert settings.queue_limit == 32_768
+    assert settings.max_items_per_request == 2048
+    assert settings.documents_limit == 1000  # Cohere's limit on a rerank's documents
+    assert settings.max_body_bytes == 8 << 20
+
+
+def test_a_lower_item_limit_bounds_the_documents_too() -> None:
+    assert Settings(max_items_per_request=64).documents_limit == 64
+    assert Settings(max_documents_per_request=10).documents_limit == 10
 
 
 def test_values_are_parsed_and_typed() -> None:
