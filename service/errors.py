@@ -74,3 +74,13 @@ class NotReady(Overloaded):
 class DeadlineExceeded(ServeError, TimeoutError):
     status = 504
     reason = "deadline"
+
+
+class ClientClosed(ServeError):
+    """The client hung up while its request waited: nothing is computed for it, and no answer sent.
+
+    499, as nginx logs a request whose client closed the connection first.
+    """
+
+    status = 499
+    reason = "client_closed"

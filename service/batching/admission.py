@@ -149,7 +149,7 @@ def predict_wait(ahead: int, seconds_per_item: float | None, own: int = 1) -> fl
 
 
 # The pace's windows: the least backlog of each is compared with the one before.
-PACE_WINDOW_S = 0.5
+PACE_WINDOW_S = 0.25
 # Growth in this many windows running, each, says the demand outruns the
 # answers. One step of new clients (a closed loop starting, a job joining) lands
 # in one window, or across the boundary of two; growth that goes on through
@@ -178,12 +178,22 @@ class Pace:
     offered counts every fresh request, admitted or refused (a resend of a
     refused one is not fresh), answered every item served. A closed loop keeps
     it flat; an open-loop overload makes it grow without end, its refusals
-    included. The least backlog of each PACE_WINDOW_S window (the least: a
-    closed loop's backlog dips at each answer and fills again as the next
-    requests come) is compared with the window before: the service is behind
-    when it grew by more than PACE_TOLERANCE of a window's answers in each of
-    the last PACE_WINDOWS windows, and by more than a batch's items (``batch_items``)
-    over them all. Pure: the caller passes the time.
+    included. Requests the service has not read yet (waiting for a request
+    thread, in the accept backlog) count too, as the wait before its handler
+    of the last fresh request, at the service rate: where the request threads
+    are fewer than the clients, the queue grows there. Only a request that
+    follows another on its connection tells that wait: clients that connect
+    at once are read one by one, each waiting longer, and would look like a
+    growing queue where a closed loop is only starting. The least backlog of
+    each PACE_WINDOW_S window (the least: a closed loop's backlog dips at each
+    answer and fills again as the next requests come) is compared with the
+    window before: the service falls behind when it grew by more than
+    PACE_TOLERANCE of a window's answers in each of the last PACE_WINDOWS
+    windows, and by more than a batch's items (``batch_items``) over them all.
+    It is behind until the backlog stops growing: no more than a batch's items
+    over the last PACE_WINDOWS windows. (Shedding empties the queue before the
+    handler at once, a drop that must not read as recovery while the refused
+    demand still grows.) Pure: the caller passes the time.
     """
 
     def __init__(
@@ -197,45 +207,70 @@ class Pace:
         self._window_s = window_s
         self._tolerance = tolerance
         self._backlog = 0
+        self._before = 0.0  # the items waiting before the handler, as the last fresh request saw them
+        self._behind = False
+        self._answers = self._offers = False  # events in the window now open
         self._window: int | None = None  # the index of the window now open
-        self._least = 0  # the least backlog in the window now open
-        self._closed: deque[int] = deque(maxlen=windows + 1)  # the least of each window closed since
+        self._least = 0.0  # the least backlog in the window now open
+        self._closed: deque[float] = deque(maxlen=windows + 1)  # the least of each window closed since
 
-    def offered(self, items: int, now: float) -> None:
-        """A fresh request of ``items`` arrived (admitted or refused)."""
+    def offered(
+        self, items: int, now: float, waited_s: float | None = 0.0, seconds_per_item: float | None = None
+    ) -> None:
+        """A fresh request of ``items`` arrived (admitted or refused), ``waited_s`` before its handler."""
         self._advance(now)
+        self._offers = True
         self._backlog += items
+        # What waits before the handler, in items: the wait at the rate the service answers.
+        # None: a wait that tells nothing of it (a connection's first request: clients
+        # that connect at once are read one by one, each having waited longer).
+        if waited_s is not None:
+            self._before = waited_s / seconds_per_item if seconds_per_item else 0.0
 
     def answered(self, items: int, now: float) -> None:
         """``items`` were served."""
         self._advance(now)
         self._backlog -= items
-        self._least = min(self._least, self._backlog)
+        self._least = min(self._least, self._level)
+        self._answers = True
+
+    @property
+    def _level(self) -> float:
+        return self._backlog + self._before
 
     def behind(self, now: float, seconds_per_item: float | None) -> bool:
         """Whether the demand has outrun the answers through the last windows."""
         self._advance(now)
         if seconds_per_item is None or len(self._closed) < (self._closed.maxlen or 0):
             return False
-        step = max(1.0, self._tolerance * self._window_s / seconds_per_item)
         least = list(self._closed)
-        rising = all(later - earlier > step for earlier, later in itertools.pairwise(least))
         # A closed loop's backlog swings by at most what one batch answers at
         # once; a rate of growth soon passes that, a swing never does.
-        return rising and least[-1] - least[0] > self._batch_items
+        growing = least[-1] - least[0] > self._batch_items
+        if self._behind:
+            self._behind = growing
+        else:
+            step = max(1.0, self._tolerance * self._window_s / seconds_per_item)
+            self._behind = growing and all(b - a > step for a, b in itertools.pairwise(least))
+        return self._behind
 
     def _advance(self, now: float) -> None:
         index = math.floor(now / self._window_s)
         if self._window is None:
-            self._window, self._least = index, self._backlog
+            self._window, self._least = index, self._level
             return
         if index <= self._window:
             return
-        # The open window closes; windows with no event since held the backlog as it is.
-        self._closed.append(self._least)
+        # The open window closes. Its least backlog is read just after an answer,
+        # before the closed loop's next requests arrive; a window of arrivals and
+        # no answer (a long batch running) tells nothing and is passed over. One
+        # with no event at all held the backlog as it is, as do the empty ones since.
+        if self._answers or not self._offers:
+            self._closed.append(self._least if self._answers else self._level)
         for _ in range(min(index - self._window - 1, self._closed.maxlen or 0)):
-            self._closed.append(self._backlog)
-        self._window, self._least = index, self._backlog
+            self._closed.append(self._level)
+        self._window, self._least = index, self._level
+        self._answers = self._offers = False
 
 
 class StandingQueue:
@@ -289,7 +324,13 @@ class AdmissionRule:
         return StandingQueue(self.door_target_s, interval_s=self.door_target_s)
 
     def limit_s(self, deadline_s: float, behind: bool) -> float:
-        """How long after its arrival a request may be answered: its deadline, and the budget when behind."""
+        """How long after its arrival a request may be answered: its deadline, and the budget when behind.
+
+        Without a budget (SERVE_LATENCY_BUDGET_MS=0) admission is off: no limit
+        here, and only the queue bound and the deadline's own expiry (504) act.
+        """
+        if math.isinf(self.budget_s):
+            return math.inf
         return min(self.budget_s, deadline_s) if behind else deadline_s
 
     def admits_fresh(self, waited_s: float, predicted_s: float, deadline_s: float, behind: bool) -> bool:

@@ -252,6 +252,7 @@ class Batcher:
         self._meter = ServiceMeter()
         self._pace = pace or Pace(batch_items=max_batch_size)
         self._express_outstanding = 0
+        self._was_behind = False
         self._bytes_per_item = 0.0  # a body's bytes per item, recent mean (0: none seen)
         self._items_per_request = 1.0
         self._queue: native.SimpleQueue[Any] = native.SimpleQueue()
@@ -318,8 +319,23 @@ class Batcher:
         """What the batcher holds now, for predictions made before a request's items are known."""
         with self._lock:
             spi = self._meter.seconds_per_item
-            behind = self._pace.behind(time.monotonic(), spi)
+            behind = self._behind(time.monotonic())
             return Load(self._meter.outstanding, spi, behind, self._items_per_request)
+
+    def _behind(self, now: float) -> bool:
+        """The pace's verdict now (under _lock); a change is logged, as an operator wants to know of it."""
+        behind = self._pace.behind(now, self._meter.seconds_per_item)
+        if behind != self._was_behind:
+            self._was_behind = behind
+            if behind:
+                log.warning(
+                    "arrivals outrun the answers: requests are admitted within the latency budget only"
+                )
+            else:
+                log.info(
+                    "the answers keep up with the arrivals again: requests are admitted up to their deadline"
+                )
+        return behind
 
     def estimate_items(self, body_bytes: int | None) -> int:
         """The items a body of ``body_bytes`` likely holds, from the bytes per item of recent requests.
@@ -335,13 +351,17 @@ class Batcher:
     def door_outlook(self, items: int) -> tuple[float, bool]:
         """For the door: a request of ``items``'s predicted wait, and whether the service is behind."""
         with self._lock:
-            behind = self._pace.behind(time.monotonic(), self._meter.seconds_per_item)
+            behind = self._behind(time.monotonic())
             return self._predict_locked(items), behind
 
-    def refused(self, items: int) -> None:
-        """A fresh request of about ``items`` was refused at the door, before submit(): demand unmet."""
+    def refused(self, items: int, waited_s: float | None) -> None:
+        """A request of about ``items`` was refused at the door, before submit(): demand unmet.
+
+        ``waited_s``: its wait before the handler, for the pace (None: not telling, as a
+        connection's first request's is not; see admission.Pace).
+        """
         with self._lock:
-            self._pace.offered(items, time.monotonic())
+            self._pace.offered(items, time.monotonic(), waited_s, self._meter.seconds_per_item)
 
     def submit(
         self,
@@ -351,6 +371,7 @@ class Batcher:
         *,
         returning: bool = False,
         resend: bool = False,
+        first_on_connection: bool = False,
         body_bytes: int | None = None,
     ) -> Pending:
         """Queue a request, or refuse it (503) when the queue is full or it cannot be answered in time.
@@ -359,7 +380,8 @@ class Batcher:
         latency budget; None counts from now. ``returning``: its client was
         refused before and was let in from its hold early (AdmissionRule.decide);
         ``resend``: its client was refused before, so it is no fresh demand
-        (admission.Pace). ``body_bytes``: the
+        (admission.Pace). ``first_on_connection``: its wait before the handler
+        tells the pace nothing (admission.Pace). ``body_bytes``: the
         size of the body its items came from, to learn what the door may
         expect of a body (estimate_items).
         """
@@ -371,29 +393,20 @@ class Batcher:
         with self._lock:
             if not self._accepting:
                 raise NotReady("the worker is shutting down; retry on another worker", reason="shutting_down")
+            # Demand, for the pace: a fresh request, taken or not, and any request
+            # refused. A request on a connection held after a refusal is counted
+            # only if refused again: it may be that refused request sent again,
+            # which was counted then, or an open-loop client's next one.
+            waited = None if first_on_connection else now - pending.budget_from
             if not (returning or resend):
-                # Fresh demand, whether it is taken or not (a resend was counted when first refused).
-                self._pace.offered(count, now)
+                self._pace.offered(count, now, waited, self._meter.seconds_per_item)
             self._learn_request(count, body_bytes)
-            if self._queued_items > 0 and self._queued_items + count > self._queue_limit:
-                raise Overloaded(
-                    f"the queue is full ({self._queued_items} items waiting, {count} more asked, "
-                    f"the limit is {self._queue_limit}: SERVE_MAX_QUEUE); retry shortly",
-                    reason="queue_full",
-                )
-            if self._admission is not None:
-                # Checked again here, under the lock: many requests can pass the
-                # door's check at once before any of them is queued (a burst of greenlets).
-                start = pending.budget_from
-                refusal = self._admission.decide(
-                    now - start,
-                    self._predict_locked(count),
-                    deadline_s=deadline - start,
-                    behind=self._pace.behind(now, self._meter.seconds_per_item),
-                    returning=returning,
-                )
-                if refusal is not None:
-                    raise Overloaded(refusal.message, refusal.retry_after_s, reason="over_budget")
+            try:
+                self._admit(pending, count, now, returning=returning)
+            except Overloaded:
+                if returning or resend:
+                    self._pace.offered(count, now, waited, self._meter.seconds_per_item)
+                raise
             self._depth += 1
             self._queued_items += count
             self._meter.submitted(count)
@@ -405,6 +418,29 @@ class Batcher:
         pending.future.add_done_callback(lambda _: self._answered(pending))
         self._queue.put(pending)
         return pending
+
+    def _admit(self, pending: Pending, count: int, now: float, *, returning: bool) -> None:
+        """Raise Overloaded if the queue is full or the request cannot be answered in time; under _lock."""
+        if self._queued_items > 0 and self._queued_items + count > self._queue_limit:
+            raise Overloaded(
+                f"the queue is full ({self._queued_items} items waiting, {count} more asked, "
+                f"the limit is {self._queue_limit}: SERVE_MAX_QUEUE); retry shortly",
+                reason="queue_full",
+            )
+        if self._admission is None:
+            return
+        # Checked again here, under the lock: many requests can pass the
+        # door's check at once before any of them is queued (a burst of greenlets).
+        start = pending.budget_from
+        refusal = self._admission.decide(
+            now - start,
+            self._predict_locked(count),
+            deadline_s=pending.deadline - start,
+            behind=self._behind(now),
+            returning=returning,
+        )
+        if refusal is not None:
+            raise Overloaded(refusal.message, refusal.retry_after_s, reason="over_budget")
 
     def _learn_request(self, items: int, body_bytes: int | None) -> None:
         # Recent means, for requests not yet read (estimate_items, load); under _lock.
@@ -698,7 +734,7 @@ class Batcher:
         now = time.monotonic()
         with self._lock:
             spi = self._meter.seconds_per_item or 0.0
-            behind = self._pace.behind(now, self._meter.seconds_per_item)
+            behind = self._behind(now)
         waited = [now - part.pending.budget_from for part in waiting]
         deadlines = [part.pending.deadline - part.pending.budget_from for part in waiting]
         limits = [self._admission.limit_s(deadline_s, behind) for deadline_s in deadlines]

@@ -23,29 +23,65 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import time
+from collections.abc import Callable
 from typing import Any
 
 from service.batching import native
 from service.batching.reply import Reply
-from service.errors import DeadlineExceeded
+from service.errors import ClientClosed, DeadlineExceeded
 from service.models.base import Outputs
 
+# How often a waiting request looks whether its client is still there (``gone``).
+GONE_CHECK_S = 0.5
 
-def wait_result(future: Reply, timeout_s: float) -> Outputs:
-    timeout_s = max(0.0, timeout_s)
+
+def wait_result(future: Reply, timeout_s: float, gone: Callable[[], bool] | None = None) -> Outputs:
+    """The request's outputs, or its error; DeadlineExceeded once ``timeout_s`` passes.
+
+    ``gone()``: whether the client hung up, asked every GONE_CHECK_S while the
+    request waits longer. A request whose client is gone is taken back
+    (cancelled while queued, failed between the parts of a large one), so the
+    model computes nothing more for it, and ClientClosed is raised.
+    """
+    until = time.monotonic() + max(0.0, timeout_s)
+    while True:
+        left = max(0.0, until - time.monotonic())
+        step = left if gone is None else min(left, GONE_CHECK_S)
+        if _wait(future, step):
+            return future.result(timeout=0)
+        if left <= step:
+            return _after_deadline(future)
+        if gone is not None and gone():
+            _take_back(future)
+
+
+def _wait(future: Reply, timeout_s: float) -> bool:
+    """Wait for the future for at most ``timeout_s``; whether it is done."""
     if native.gevent_patched():
         _wait_in_greenlet(future, timeout_s)
-        if future.done():
-            return future.result(timeout=0)
-        return _after_deadline(future)
+        return future.done()
     try:
-        return future.result(timeout=timeout_s)
+        future.result(timeout=timeout_s)
     except concurrent.futures.TimeoutError:
         # TimeoutError is also what DeadlineExceeded from the batch thread is;
         # a finished future re-raises its own outcome.
-        if future.done():
-            return future.result(timeout=0)
-        return _after_deadline(future)
+        return future.done()
+    except BaseException:
+        return True  # finished with an error, which result() raises again
+    return True
+
+
+def _take_back(future: Reply) -> None:
+    error = ClientClosed("the client closed the connection while its request waited", reason="client_closed")
+    if not future.cancel():
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            # Already taken into a batch: the batch thread skips its later parts.
+            future.set_exception(error)
+    if future.done() and not future.cancelled():
+        return  # answered meanwhile: the answer stands, the write will find the client gone
+    raise error
 
 
 # Longest the batch thread waits for the hub's turn: the interpreter's switch

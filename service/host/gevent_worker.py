@@ -56,6 +56,7 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
     def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> None:
         requests = self._requests
         requests.at, requests.next_at = getattr(requests, "next_at", None), None
+        requests.follow_up = getattr(req, "req_number", 1) > 1
         if getattr(requests, "in_transit", False):
             requests.in_transit = False
             self._lot.in_transit.landed()

@@ -44,6 +44,7 @@ from service.host.lifecycle import runtime_of
 from service.host.one_write import one_write
 from service.http.arrival import (
     ARRIVAL_ENVIRON_KEY,
+    FOLLOW_UP_ENVIRON_KEY,
     HELD_OUT,
     HOLD_ENVIRON_KEY,
     LET_IN,
@@ -92,6 +93,7 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         # A resend sent during a hold arrived when the worker first saw it, at the latest.
         held_since, conn.serve_held_since = getattr(conn, "serve_held_since", None), None
         conn.serve_arrived = time.monotonic() if held_since is None else held_since
+        conn.serve_requests = getattr(conn, "serve_requests", 0) + 1
         super().enqueue_req(conn)
 
     def handle(self, conn: Any) -> Any:
@@ -99,6 +101,7 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
             conn.serve_in_transit = False
             self._in_transit.landed()
         self._arrivals.at = getattr(conn, "serve_arrived", None)
+        self._arrivals.follow_up = getattr(conn, "serve_requests", 1) > 1
         self._arrivals.returning, conn.serve_returning = getattr(conn, "serve_returning", None), None
         self._arrivals.hold_s = 0.0
         try:
@@ -285,6 +288,7 @@ class StampedApp:
         returning = getattr(self._arrivals, "returning", None)
         if returning:
             environ[RETURNING_ENVIRON_KEY] = returning
+        environ[FOLLOW_UP_ENVIRON_KEY] = getattr(self._arrivals, "follow_up", True)
         one_write(start_response)
         answer = self._app(environ, start_response)
         self._arrivals.hold_s = environ.get(HOLD_ENVIRON_KEY, 0.0)

@@ -22,6 +22,11 @@ TIMEOUT_ENVIRON_KEY = "HTTP_X_REQUEST_TIMEOUT_MS"
 # The monotonic time the worker stamped, then the arrival the door settled on.
 ARRIVAL_ENVIRON_KEY = "serve.arrived"
 
+# Set by the worker on a request that is not the first on its connection: its
+# wait before the handler says how long the worker's queue is (admission.Pace);
+# a first request's may be the first pass of clients that all connected at once.
+FOLLOW_UP_ENVIRON_KEY = "serve.follow_up"
+
 # Seconds the worker holds a connection after a request on it was refused with
 # 503, before it reads the next one (service.host.hold); absent: no hold.
 HOLD_ENVIRON_KEY = "serve.hold_s"

@@ -46,6 +46,7 @@ from service.errors import Overloaded
 from service.http.access import REQUEST_ID_HEADER, WsgiApp, request_id
 from service.http.arrival import (
     ARRIVAL_ENVIRON_KEY,
+    FOLLOW_UP_ENVIRON_KEY,
     LET_IN,
     RETURNING_ENVIRON_KEY,
     TIMEOUT_ENVIRON_KEY,
@@ -109,8 +110,9 @@ class Door:
         )
         if refusal is None:
             return self._app(environ, start_response)
-        if batcher is not None and not returning:
-            batcher.refused(items)
+        if batcher is not None:
+            # Demand unmet, for the pace (Batcher.submit says which counts).
+            batcher.refused(items, waited if environ.get(FOLLOW_UP_ENVIRON_KEY, True) else None)
         self._metrics.count_error(Overloaded(refusal.message, reason="over_budget"))
         body = orjson.dumps({"error": refusal.message})
         start_response(

@@ -19,6 +19,8 @@ direct routes and the route's Flask view (``Answer.response``) write alike.
 
 from __future__ import annotations
 
+import select
+import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -32,7 +34,13 @@ from werkzeug.wsgi import get_input_stream
 from service.batching.waiting import wait_result
 from service.errors import BadRequest, PayloadTooLarge
 from service.http.access import note_batch_size
-from service.http.arrival import ARRIVAL_ENVIRON_KEY, LET_IN, RETURNING_ENVIRON_KEY, TIMEOUT_ENVIRON_KEY
+from service.http.arrival import (
+    ARRIVAL_ENVIRON_KEY,
+    FOLLOW_UP_ENVIRON_KEY,
+    LET_IN,
+    RETURNING_ENVIRON_KEY,
+    TIMEOUT_ENVIRON_KEY,
+)
 from service.models import Model
 from service.models.base import Outputs
 from service.runtime import EXTENSION, ModelRuntime
@@ -126,11 +134,32 @@ def serve_batched(rt: ModelRuntime, environ: dict[str, Any], parse: Parser) -> B
             arrived,
             returning=returning == LET_IN,
             resend=returning is not None,
+            first_on_connection=not environ.get(FOLLOW_UP_ENVIRON_KEY, True),
             body_bytes=len(body),
         )
-        outputs = wait_result(pending.future, until - time.monotonic())
+        outputs = wait_result(pending.future, until - time.monotonic(), client_gone(environ))
     note_batch_size(environ, pending.batch_size)
     return Batched(model, outputs, pending.batch_size)
+
+
+def client_gone(environ: dict[str, Any]) -> Callable[[], bool] | None:
+    """Whether the request's client hung up, from its connection (None: the server gives none).
+
+    Looked at without reading: a client that waits for its answer sends
+    nothing, so a readable socket that peeks empty is one that closed.
+    """
+    sock = environ.get("gunicorn.socket")
+    if sock is None:
+        return None
+
+    def gone() -> bool:
+        try:
+            readable, _, _ = select.select([sock], [], [], 0)
+            return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True  # reset, or closed under us
+
+    return gone
 
 
 def serve_naive(rt: ModelRuntime, environ: dict[str, Any], parse: Parser) -> Batched:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from collections import Counter
@@ -143,6 +144,27 @@ def test_an_expired_deadline_gets_504_and_never_reaches_the_model(one_slot: Serv
     assert ask(one_slot, "seen:sleep:1") == 1.0
     eventually(lambda: ask(one_slot, "busy") == 0, "the overrunning batch ended")
     assert batched(one_slot, "after").json()["outputs"] == [[5.0]]
+
+
+def test_a_request_whose_client_hung_up_is_never_computed(one_slot: Server) -> None:
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(batched, one_slot, "sleep:2")
+        eventually(lambda: ask(one_slot, "busy") == 1, "the model is busy")
+        # A raw client sends its request behind the running batch, then hangs up.
+        body = b'{"inputs": ["abandoned"]}'
+        with socket.create_connection(("127.0.0.1", one_slot.port), timeout=CLIENT_TIMEOUT) as sock:
+            sock.sendall(
+                b"POST /predict/batched HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            eventually(lambda: queue_depth(one_slot) == 1, "the request is queued")
+        assert running.result().status_code == 200
+    eventually(lambda: queue_depth(one_slot) == 0, "the queue is empty")
+    assert batched(one_slot, "after").json()["outputs"] == [[5.0]]
+    assert ask(one_slot, "seen:abandoned") == 0.0
+    metrics = requests.get(one_slot.url + "/metrics", timeout=CLIENT_TIMEOUT).text
+    assert 'code="499"' in metrics
 
 
 def test_a_burst_of_timeouts_leaves_nothing_behind() -> None:

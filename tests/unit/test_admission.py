@@ -49,9 +49,8 @@ def test_the_predicted_wait_counts_the_work_ahead_and_the_newcomer_itself() -> N
 
 def test_an_infinite_budget_refuses_nothing() -> None:
     rule = AdmissionRule(budget_s=math.inf)
-    assert rule.decide(1e6, 1e6, deadline_s=math.inf, behind=True, standing=True) is None
-    # Only the deadline is left to refuse on.
-    assert behind(rule, 1.0, 1e6, standing=True) is not None
+    assert behind(rule, 1e6, 1e6, standing=True) is None
+    assert rule.decide(1e6, 1e6, deadline_s=DEADLINE, behind=False) is None
     assert not rule.standing_queue().standing(1e6, now=0.0)
     assert not rule.standing_queue().standing(1e6, now=1e9)
 
@@ -289,7 +288,7 @@ def test_arrivals_that_outrun_the_answers_put_the_service_behind_and_it_recovers
         pace.answered(1, t)
         verdicts.append((t, pace.behind(t, ITEM_S)))
     first = next(at for at, late in verdicts if late)
-    assert 1.5 <= first <= 2.6  # within a few windows of the overload's start
+    assert 0.75 <= first <= 2.0  # within a few windows of the overload's start, not at once
     assert all(late for at, late in verdicts if at > first)
     # The overload ends: arrivals match the answers again, and within a window or two it is not behind.
     while t < 4.5:
