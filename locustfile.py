@@ -6,15 +6,20 @@ The dashboard, against a service already running (``bash scripts/serve``):
 
 then pick NaiveUser and/or BatchedUser and a shape: StepLoad (1, 8, 32, 64 users per
 route, no think time), ArticleLoad (1, 5, 20 users per route, 1-3 s think time), or
-Default (the user count you type, --wait-min/--wait-max think time). The "Batching" tab
-shows the service's own figures from its /metrics: requests, latency, 503s and 504s per
-route, and the batcher's mean batch size, queue wait and model time, by user count.
+Default (the user count you type, --wait-min/--wait-max think time). IndexingUser is a
+batched client, an indexing job: --texts-per-request texts (32) in every request to
+POST /v1/embeddings, no think time; IndexingLoad runs 1, 2, 4, 8 of them. The "Batching"
+tab shows the service's own figures from its /metrics: requests, latency, 503s and 504s
+per route, and the batcher's items a second, mean batch size, queue wait and model time,
+by user count.
 
 Headless, with Locust's CSV and HTML report (plus PREFIX_batching.csv, and the batching
 table in the report):
 
     .venv/bin/locust -f locustfile.py --host http://127.0.0.1:8000 --headless \
         --shape StepLoad --csv reports/step --html reports/step.html NaiveUser BatchedUser
+    .venv/bin/locust -f locustfile.py --host http://127.0.0.1:8000 --headless \
+        --shape IndexingLoad --csv reports/indexing IndexingUser
 
 Users send texts drawn from scripts/corpus/mixed.txt (real prose of mixed length) when the
 model takes text; JPEG uploads (the raw body for one image, multipart for several) when it
@@ -28,12 +33,17 @@ import logging
 import random
 from typing import Any
 
-from locust import HttpUser, events, task
+from locust import HttpUser, constant, events, task
 from locust.runners import WorkerRunner
 
 from scripts.loadtest import scenarios, shapes
 from scripts.loadtest.panel import DEFAULT_INTERVAL_S, Panel
-from scripts.loadtest.workload import workload_for
+from scripts.loadtest.workload import (
+    DEFAULT_TEXTS_PER_REQUEST,
+    check_texts_per_request,
+    embeddings_failure,
+    workload_for,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +66,18 @@ def _options(parser: Any) -> None:
     )
     parser.add_argument("--items-per-request", type=int, default=1, help="items in each request")
     parser.add_argument(
+        "--texts-per-request",
+        type=int,
+        default=DEFAULT_TEXTS_PER_REQUEST,
+        env_var="LOCUST_TEXTS_PER_REQUEST",
+        help="texts in each IndexingUser request: consecutive lines of the corpus",
+    )
+    parser.add_argument(
         "--step-seconds",
         type=float,
         default=scenarios.DEFAULT_STEP_SECONDS,
         env_var="LOCUST_STEP_SECONDS",
-        help="how long StepLoad and ArticleLoad hold each user count",
+        help="how long StepLoad, ArticleLoad and IndexingLoad hold each user count",
     )
     parser.add_argument(
         "--shape",
@@ -143,3 +160,36 @@ class BatchedUser(ModelUser):
     """Calls the batched route: concurrent requests share a model call."""
 
     route = "/predict/batched"
+
+
+class IndexingUser(HttpUser):
+    """A batched client, as an indexing job is: many texts a request to OpenAI's embeddings API.
+
+    Each request carries ``--texts-per-request`` consecutive lines of the corpus, and the
+    next goes as soon as the answer comes: a job has no one to wait for. The request's
+    name says how many texts it carries, so that its requests a second convert to texts.
+    """
+
+    route = "/v1/embeddings"
+    wait_time = constant(0)
+
+    def on_start(self) -> None:
+        options = self.environment.parsed_options
+        self.texts = check_texts_per_request(
+            options.texts_per_request if options else DEFAULT_TEXTS_PER_REQUEST
+        )
+        self.request_name = f"{self.route} ({self.texts} texts)"
+        self.workload = workload_for(self.host)
+        self.rng = random.Random()
+
+    @task
+    def embed(self) -> None:
+        sent = self.workload.embeddings_request(self.texts, self.rng)
+        with self.client.post(self.route, name=self.request_name, catch_response=True, **sent) as response:
+            try:
+                answer = response.json()
+            except ValueError:
+                answer = None
+            failure = embeddings_failure(response.status_code, answer, self.texts)
+            if failure is not None:
+                response.failure(failure)

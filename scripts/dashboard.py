@@ -7,8 +7,9 @@ and Locust runs the scenario and writes its reports.
 
     bash scripts/dashboard                                   # service on 127.0.0.1:8000, UI on :8089
     bash scripts/dashboard --host http://127.0.0.1:9000 --web-port 8090
-    LOCUST_STEP_SECONDS=10 bash scripts/dashboard            # shorter steps for StepLoad and ArticleLoad
-    bash scripts/dashboard --headless --shape StepLoad --csv reports/step --html reports/step.html
+    LOCUST_STEP_SECONDS=10 bash scripts/dashboard            # shorter steps for the shapes
+    bash scripts/dashboard --headless --shape StepLoad --csv reports/step BatchedUser NaiveUser
+    bash scripts/dashboard --headless --shape IndexingLoad --csv reports/indexing IndexingUser
 """
 
 from __future__ import annotations

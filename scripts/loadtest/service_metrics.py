@@ -143,6 +143,7 @@ COLUMNS = (
     ("shed", "Shed (503)"),
     ("timed_out", "Timed out (504)"),
     ("batches", "Batches"),
+    ("items_per_s", "Items/s"),
     ("mean_batch_size", "Mean batch size"),
     ("mean_queue_wait_ms", "Mean queue wait (ms)"),
     ("mean_model_ms", "Model time per batch (ms)"),
@@ -179,6 +180,9 @@ def rows(users: str, growth: Reading, seconds: float) -> list[dict[str, Any]]:
                 users,
                 BATCHER_ROW,
                 batches=round(growth.batches),
+                # Texts (items) answered a second: what a client that sends many to a
+                # request gets, where its requests a second say little.
+                items_per_s=_ratio(growth.items, seconds, 1),
                 mean_batch_size=_ratio(growth.items, growth.batches, 2),
                 mean_queue_wait_ms=_ratio(1000 * growth.queue_wait_sum, growth.queue_wait_count, 1),
                 mean_model_ms=_ratio(1000 * growth.model_sum, growth.model_count, 1),

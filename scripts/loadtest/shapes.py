@@ -11,7 +11,14 @@ from typing import Any, ClassVar
 
 from locust import LoadTestShape, User
 
-from scripts.loadtest.scenarios import ARTICLE_LOAD, DEFAULT_STEP_SECONDS, STEP_LOAD, Scenario, turn
+from scripts.loadtest.scenarios import (
+    ARTICLE_LOAD,
+    DEFAULT_STEP_SECONDS,
+    INDEXING_LOAD,
+    STEP_LOAD,
+    Scenario,
+    turn,
+)
 
 
 class ScenarioShape(LoadTestShape):
@@ -42,4 +49,10 @@ class ArticleLoad(ScenarioShape):
     scenario = ARTICLE_LOAD
 
 
-SHAPES: tuple[type[ScenarioShape], ...] = (StepLoad, ArticleLoad)
+class IndexingLoad(ScenarioShape):
+    """1, 2, 4 and 8 users on each route in turn, no think time: a few indexing jobs (IndexingUser)."""
+
+    scenario = INDEXING_LOAD
+
+
+SHAPES: tuple[type[ScenarioShape], ...] = (StepLoad, ArticleLoad, IndexingLoad)

@@ -1,8 +1,9 @@
 """The Locust dashboard in a real browser: started as docs/load-tests.md says, driven through its UI.
 
 The service runs the default model; ``bash scripts/dashboard`` opens Locust's web
-UI on it; headless Chromium picks the StepLoad shape with both user classes and starts it,
-so that each route takes its turn at each user count.
+UI on it; headless Chromium picks the StepLoad shape with the two /predict routes' user
+classes (unticking IndexingUser, whose batched clients test_locust_reports.py runs) and
+starts it, so that each route takes its turn at each user count.
 Screenshots go to test-artifacts/dashboard/ (ignored by git), also when the test fails.
 """
 
@@ -21,6 +22,7 @@ import pytest
 import requests
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.select import Select
 from selenium.webdriver.support.wait import WebDriverWait
 
@@ -40,6 +42,7 @@ STEP_SECONDS = 5
 METRICS_INTERVAL_S = 1
 STEPS = (1, 8, 32, 64)  # StepLoad's users per route
 ROUTES = ("/predict/batched", "/predict/naive")
+USER_CLASSES = ("BatchedUser", "IndexingUser", "NaiveUser")
 _URL_LINE = re.compile(r"Locust dashboard: (http://\S+)")
 
 
@@ -88,6 +91,19 @@ def open_tab(browser: WebDriver, title: str) -> None:
     browser.find_element(By.XPATH, f"//button[@role='tab'][normalize-space()='{title}']").click()
 
 
+def picker_box(browser: WebDriver, user_class: str) -> WebElement:
+    """The class picker's checkbox for ``user_class``."""
+    return browser.find_element(
+        By.XPATH, f"//tr[td[normalize-space()='{user_class}']]//input[@type='checkbox']"
+    )
+
+
+def picked(browser: WebDriver) -> dict[str, bool]:
+    """The class picker's user classes, and whether each is ticked."""
+    rows = browser.find_elements(By.XPATH, "//tr[td and .//input[@type='checkbox']]")
+    return {row.text.strip(): row.find_element(By.TAG_NAME, "input").is_selected() for row in rows}
+
+
 def header_status(browser: WebDriver) -> str:
     return browser.find_element(By.TAG_NAME, "header").text
 
@@ -111,9 +127,12 @@ def test_step_shape_through_the_ui_shows_both_routes_and_the_batching(artifacts:
             browser.get(url)
             wait = WebDriverWait(browser, 30)
             shape = wait.until(lambda b: b.find_element(By.ID, "shapeClass"))
+            options = {option.get_attribute("value") for option in Select(shape).options}
+            assert {"StepLoad", "ArticleLoad", "IndexingLoad"} <= options, options
             Select(shape).select_by_value("StepLoad")
-            checked = browser.find_elements(By.CSS_SELECTOR, "input[type=checkbox]:checked")
-            assert len(checked) >= 2, "both user classes start picked"
+            assert picked(browser) == dict.fromkeys(USER_CLASSES, True), "every user class starts picked"
+            picker_box(browser, "IndexingUser").click()  # StepLoad here compares the two routes
+            assert picked(browser) == {"BatchedUser": True, "IndexingUser": False, "NaiveUser": True}
             browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
 
             run_time = len(STEPS) * len(ROUTES) * STEP_SECONDS

@@ -87,6 +87,29 @@ def test_a_plain_headless_run_keeps_its_user_count_and_think_time(server: Server
     assert int(batching[("3 BatchedUser", "/predict/batched")]["Requests"]) > 0
 
 
+def test_indexing_jobs_send_the_embeddings_api_many_texts_a_request(tmp_path: Path) -> None:
+    # The module's mlp serves no embeddings: a text model that answers vectors, quick to load.
+    prefix = tmp_path / "indexing"
+    with gunicorn({"SERVE_MODEL": "tests.support.models:vectors", "SERVE_WORKERS": "1"}) as text_server:
+        headless(
+            text_server.url,
+            *("-u", "2", "-r", "2", "-t", "3s", "--texts-per-request", "8"),
+            *("--csv", str(prefix), "--only-summary", "IndexingUser"),
+        )
+    stats = read_stats(prefix)
+    assert set(stats) == {"/v1/embeddings (8 texts)", "Aggregated"}, "the name says what a request carries"
+    assert int(stats["Aggregated"]["Failure Count"]) == 0, stats
+    with open(f"{prefix}_batching.csv") as f:
+        batching = {(row["Users"], row["Route"]): row for row in csv.DictReader(f)}
+    route = batching[("2 IndexingUser", "/v1/embeddings")]
+    assert int(route["Requests"]) > 0, route
+    batcher = batching[("2 IndexingUser", "batcher (all batched routes)")]
+    assert float(batcher["Mean batch size"]) >= 8, batcher
+    # Texts a second: 8 to each request (both rounded; a request counts when answered,
+    # its texts when their batch ran).
+    assert float(batcher["Items/s"]) == pytest.approx(8 * float(route["Req/s"]), rel=0.05), batcher
+
+
 @pytest.mark.filterwarnings(images.JIT_DEPRECATED)
 @pytest.mark.parametrize("items", [1, 3])
 def test_locust_sends_an_image_model_jpeg_uploads(tmp_path: Path, items: int) -> None:

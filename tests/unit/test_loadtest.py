@@ -10,9 +10,14 @@ import pytest
 from flask.testing import FlaskClient
 
 from scripts.loadtest.panel import WHOLE_RUN, Panel
-from scripts.loadtest.scenarios import ARTICLE_LOAD, STEP_LOAD, turn
+from scripts.loadtest.scenarios import ARTICLE_LOAD, INDEXING_LOAD, STEP_LOAD, turn
 from scripts.loadtest.service_metrics import BATCHER_ROW, NOT_APPLICABLE, Reading, RouteCounts, rows
-from scripts.loadtest.workload import Workload, read_corpus
+from scripts.loadtest.workload import (
+    Workload,
+    check_texts_per_request,
+    embeddings_failure,
+    read_corpus,
+)
 
 
 def test_a_reading_holds_the_service_counters_and_leaves_out_scrapes_and_probes(client: FlaskClient) -> None:
@@ -59,6 +64,8 @@ def test_rows_give_per_route_figures_and_the_batcher_s() -> None:
     assert (batched["shed"], batched["timed_out"], batched["mean_batch_size"]) == (8, 2, NOT_APPLICABLE)
     batcher = table[BATCHER_ROW]
     assert (batcher["batches"], batcher["mean_batch_size"], batcher["queue_full"]) == (30, 3.0, 8)
+    assert batcher["items_per_s"] == 9.0  # texts answered a second, whatever the requests carried
+    assert batched["items_per_s"] == NOT_APPLICABLE
     assert (batcher["mean_queue_wait_ms"], batcher["mean_model_ms"]) == (10.0, 20.0)
     assert batcher["requests"] == NOT_APPLICABLE
     assert all(row["users"] == "8 BatchedUser" for row in table.values())
@@ -139,6 +146,16 @@ def test_with_one_class_picked_the_scenario_walks_its_counts_alone() -> None:
     assert STEP_LOAD.think_time == (0.0, 0.0)
 
 
+def test_indexing_load_walks_a_few_jobs_without_think_time() -> None:
+    assert turn(INDEXING_LOAD, ["IndexingUser"], {"IndexingUser": 2}, 7.0, step_seconds=3.0) == (
+        4,
+        4.0,
+        "IndexingUser",
+    )
+    assert turn(INDEXING_LOAD, ["IndexingUser"], {"IndexingUser": 8}, 12.0, step_seconds=3.0) is None
+    assert INDEXING_LOAD.think_time == (0.0, 0.0)
+
+
 def test_a_step_must_last_some_time() -> None:
     with pytest.raises(ValueError, match="LOCUST_STEP_SECONDS"):
         turn(STEP_LOAD, ["BatchedUser"], {}, 1.0, step_seconds=2.5)
@@ -166,3 +183,46 @@ def test_image_models_get_jpeg_uploads() -> None:
     several = images.request(3, rng)
     assert [(name, part[2]) for name, part in several["files"]] == [("image", "image/jpeg")] * 3
     assert len({part[1] for _, part in several["files"]}) == 3, "different images"
+
+
+def test_an_indexing_job_sends_consecutive_corpus_lines_to_the_embeddings_api() -> None:
+    texts = ("a", "b", "c", "d", "e")
+    workload = Workload({"name": "all-MiniLM-L6-v2", "item_kind": "text", "item_shape": [384]}, texts)
+    rng = random.Random(0)
+    for _ in range(20):
+        passage = workload.passage(3, rng)
+        start = texts.index(passage[0])
+        assert passage == [texts[(start + i) % len(texts)] for i in range(3)], "in order, round the end"
+    assert sorted(workload.passage(7, rng)[:5]) == list(texts), "more texts than lines: all, then again"
+    sent = workload.embeddings_request(4, rng)
+    assert sent.keys() == {"json"}
+    assert sent["json"]["model"] == "all-MiniLM-L6-v2"
+    assert len(sent["json"]["input"]) == 4
+
+
+def test_texts_per_request_must_be_at_least_one() -> None:
+    assert check_texts_per_request(32) == 32
+    with pytest.raises(ValueError, match=r"LOCUST_TEXTS_PER_REQUEST\) must be at least 1 text, got 0"):
+        check_texts_per_request(0)
+
+
+@pytest.mark.parametrize(
+    ("status", "answer", "expected"),
+    [
+        (200, {"data": [{}, {}, {}]}, None),
+        (200, {"data": [{}, {}]}, "2 embeddings for 3 texts"),
+        (200, None, '200 without a list of embeddings in its "data"'),
+        (400, {"error": {"message": '"input" holds 100 items'}}, '400: "input" holds 100 items'),
+        (
+            404,
+            {"error": {"message": "model 'mlp' takes vector items"}},
+            "404: model 'mlp' takes vector items",
+        ),
+        (503, {"error": {"message": "the service is overloaded"}}, None),  # Locust fails it by its status
+        (504, None, None),
+    ],
+)
+def test_an_embeddings_answer_fails_on_a_missing_embedding_or_says_what_a_4xx_said(
+    status: int, answer: Any, expected: str | None
+) -> None:
+    assert embeddings_failure(status, answer, sent=3) == expected
