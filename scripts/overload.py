@@ -54,9 +54,8 @@ from scripts.serve_behind_nginx import fronting  # noqa: E402
 
 # Goodput is back when, from this long after the overload ends, it matches capacity again.
 RECOVERED_AFTER_S = 5.0
-# Closed-loop clients for capacity: enough to fill batches, few enough that the
-# queue they keep stays within the latency budget (more are refused, and a
-# refused closed-loop client asks again at once).
+# Closed-loop clients for capacity: enough to fill batches (more are answered
+# too, up to their deadline, but only wait longer).
 CLIENTS = 32
 LONE_TEXT = "A man is eating food while the children play outside in the garden."
 

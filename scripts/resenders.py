@@ -1,6 +1,6 @@
 """Clients that resend the moment they are answered, 503 included: goodput per 5 s window.
 
-    .venv/bin/python scripts/resenders.py --worker-class gthread    # warm 32/64/256, disturbance, cold 64
+    .venv/bin/python scripts/resenders.py --worker-class gthread    # warm 32/64/256, disturbance, cold 64/256
     .venv/bin/python scripts/resenders.py --worker-class gevent --seconds 20 --json /tmp/gevent.json
 
 wrk, Locust's default users and most hand-written client loops send their next
@@ -14,8 +14,9 @@ own kept-alive connection sending 1 to 8 lines of scripts/corpus/mixed.txt to
 - **warm**: a started, warmed service meets 32, then 64, then 256 such clients
   (``--seconds`` each); 32 clients are within the latency budget, so their goodput
   is the capacity the others are compared with;
-- **cold**: a fresh service meets 64 clients the moment it is ready, as a new replica
-  joining a busy cluster does; goodput over its first 20 s against the warm capacity;
+- **cold**: a fresh service meets 64, then (another fresh one) 256 clients the moment it
+  is ready, as a new replica joining a busy cluster does; goodput over its first 20 s
+  against the warm capacity;
 - **disturbance**: 64 clients on a warm service, and 4 processes that spin on the
   CPU for 10 s in the middle; goodput from 15 s after they stop against before.
 
@@ -172,10 +173,11 @@ def main() -> int:
             process.wait(timeout=30)
         rows.append(report("disturbance at 20-30 s, 64 clients", disturbed, 70))
 
-    with serve(env, all_workers=True) as service:
-        cold = Load(service.port, 64, lines)
-        cold.run(30)
-        rows.append(report("cold, 64 clients", cold, 30))
+    for clients in (64, 256):
+        with serve(env, all_workers=True) as service:
+            cold = Load(service.port, clients, lines)
+            cold.run(30)
+            rows.append(report(f"cold, {clients} clients", cold, 30))
 
     before = statistics.median(rows[3]["windows_rps"][1:4])  # 5-20 s
     after = statistics.median(rows[3]["windows_rps"][9:])  # from 45 s: 15 s after the spinning ends
@@ -184,9 +186,9 @@ def main() -> int:
     for row in rows[1:3]:
         ratio = statistics.median(row["windows_rps"]) / capacity
         print(f"{row['scenario']}: median window {ratio:.2f}x capacity")
-    print(
-        f"cold, 64 clients: first 20 s {statistics.mean(rows[4]['windows_rps'][:4]) / capacity:.2f}x capacity"
-    )
+    for row in rows[4:]:
+        first = statistics.mean(row["windows_rps"][:4])
+        print(f"{row['scenario']}: first 20 s {first / capacity:.2f}x capacity")
     recovered, steady = after / before, before / capacity
     print(f"disturbance: from 15 s after it ends {recovered:.2f}x before it, {steady:.2f}x capacity")
     if args.json:

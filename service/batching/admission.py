@@ -55,7 +55,7 @@ RETURNING_MARGIN = 1.5
 # While the service keeps up (Pace), the work ahead of a request must leave its
 # deadline this margin: the standing queue of a closed loop is steady, so the
 # prediction is close, but a deadline missed is a 504 after the whole wait.
-DEADLINE_MARGIN = 1.5
+DEADLINE_MARGIN = 1.2
 
 
 @dataclass(frozen=True)
@@ -148,18 +148,22 @@ def predict_wait(ahead: int, seconds_per_item: float | None, own: int = 1) -> fl
     return (max(0, ahead) + max(1, own)) * seconds_per_item
 
 
-# The pace's windows: the least backlog of each is compared with the one before.
-PACE_WINDOW_S = 0.25
+# The pace's windows last long enough for the service to answer this many
+# requests of the recent mean size, and at least PACE_MIN_WINDOW_S: each must
+# see more growth than a closed loop's jitter of a request or so.
+PACE_WINDOW_REQUESTS = 8
+PACE_MIN_WINDOW_S = 0.5
 # Growth in this many windows running, each, says the demand outruns the
 # answers. One step of new clients (a closed loop starting, a job joining) lands
 # in one window, or across the boundary of two; growth that goes on through
 # three windows is a rate, not a step.
 PACE_WINDOWS = 3
-# A window's growth counts when it passes this share of what the service answers
-# in a window: well above the noise a closed loop makes (its next requests follow
-# each answer within milliseconds), well below what 2x overload adds (a whole
-# window's worth).
+# A window's growth counts when it passes half a request of the mean size and
+# this share of what the service answers in a window: 2x overload adds a whole
+# window's worth.
 PACE_TOLERANCE = 0.1
+# Requests the mean request size spans, roughly.
+PACE_MEAN_REQUESTS = 64
 
 
 class Pace:
@@ -184,55 +188,48 @@ class Pace:
     are fewer than the clients, the queue grows there. Only a request that
     follows another on its connection tells that wait: clients that connect
     at once are read one by one, each waiting longer, and would look like a
-    growing queue where a closed loop is only starting. The least backlog of
-    each PACE_WINDOW_S window (the least: a closed loop's backlog dips at each
-    answer and fills again as the next requests come) is compared with the
-    window before: the service falls behind when it grew by more than
-    PACE_TOLERANCE of a window's answers in each of the last PACE_WINDOWS
-    windows, and by more than a batch's items (``batch_items``) over them all.
-    It is behind until the backlog stops growing: no more than a batch's items
-    over the last PACE_WINDOWS windows. (Shedding empties the queue before the
-    handler at once, a drop that must not read as recovery while the refused
-    demand still grows.) Pure: the caller passes the time.
+    growing queue where a closed loop is only starting.
+
+    Time is cut into windows in which the service answers PACE_WINDOW_REQUESTS
+    requests of the mean size, and each window keeps its mean backlog over
+    time (a closed loop's backlog dips at each answer and fills again within
+    milliseconds; the mean barely moves). The service falls behind when the
+    mean grew, by more than half a request and PACE_TOLERANCE of a window's
+    answers, in each of the last PACE_WINDOWS windows; it is behind until the
+    mean grows by less than that over those windows together. (Shedding
+    empties the queue before the handler at once, a drop that must not read as
+    recovery while the refused demand still grows.) Pure: the caller passes the time.
     """
 
-    def __init__(
-        self,
-        batch_items: int,
-        window_s: float = PACE_WINDOW_S,
-        windows: int = PACE_WINDOWS,
-        tolerance: float = PACE_TOLERANCE,
-    ) -> None:
-        self._batch_items = batch_items
-        self._window_s = window_s
+    def __init__(self, windows: int = PACE_WINDOWS, tolerance: float = PACE_TOLERANCE) -> None:
         self._tolerance = tolerance
         self._backlog = 0
         self._before = 0.0  # the items waiting before the handler, as the last fresh request saw them
+        self._request_items = 1.0  # the mean items a request
+        self._window_s = PACE_MIN_WINDOW_S  # of the window now open, set when it opened
+        self._started: float | None = None  # when the window now open opened
+        self._last = 0.0  # the last event in it
+        self._area = 0.0  # the backlog's integral over the window so far
+        self._closed: deque[float] = deque(maxlen=windows + 1)  # the mean of each window closed since
         self._behind = False
-        self._answers = self._offers = False  # events in the window now open
-        self._window: int | None = None  # the index of the window now open
-        self._least = 0.0  # the least backlog in the window now open
-        self._closed: deque[float] = deque(maxlen=windows + 1)  # the least of each window closed since
 
     def offered(
         self, items: int, now: float, waited_s: float | None = 0.0, seconds_per_item: float | None = None
     ) -> None:
         """A fresh request of ``items`` arrived (admitted or refused), ``waited_s`` before its handler."""
-        self._advance(now)
-        self._offers = True
+        self._advance(now, seconds_per_item)
         self._backlog += items
+        self._request_items += (items - self._request_items) / PACE_MEAN_REQUESTS
         # What waits before the handler, in items: the wait at the rate the service answers.
         # None: a wait that tells nothing of it (a connection's first request: clients
         # that connect at once are read one by one, each having waited longer).
         if waited_s is not None:
             self._before = waited_s / seconds_per_item if seconds_per_item else 0.0
 
-    def answered(self, items: int, now: float) -> None:
+    def answered(self, items: int, now: float, seconds_per_item: float | None = None) -> None:
         """``items`` were served."""
-        self._advance(now)
+        self._advance(now, seconds_per_item)
         self._backlog -= items
-        self._least = min(self._least, self._level)
-        self._answers = True
 
     @property
     def _level(self) -> float:
@@ -240,37 +237,37 @@ class Pace:
 
     def behind(self, now: float, seconds_per_item: float | None) -> bool:
         """Whether the demand has outrun the answers through the last windows."""
-        self._advance(now)
+        self._advance(now, seconds_per_item)
         if seconds_per_item is None or len(self._closed) < (self._closed.maxlen or 0):
             return False
-        least = list(self._closed)
-        # A closed loop's backlog swings by at most what one batch answers at
-        # once; a rate of growth soon passes that, a swing never does.
-        growing = least[-1] - least[0] > self._batch_items
+        means = list(self._closed)
+        step = max(self._request_items / 2, self._tolerance * self._window_s / seconds_per_item)
         if self._behind:
-            self._behind = growing
+            self._behind = means[-1] - means[0] > step * (len(means) - 1)
         else:
-            step = max(1.0, self._tolerance * self._window_s / seconds_per_item)
-            self._behind = growing and all(b - a > step for a, b in itertools.pairwise(least))
+            self._behind = all(b - a > step for a, b in itertools.pairwise(means))
         return self._behind
 
-    def _advance(self, now: float) -> None:
-        index = math.floor(now / self._window_s)
-        if self._window is None:
-            self._window, self._least = index, self._level
+    def _advance(self, now: float, seconds_per_item: float | None) -> None:
+        if self._started is None:
+            self._started = self._last = now
             return
-        if index <= self._window:
+        end = self._started + self._window_s
+        if now < end:
+            self._area += self._level * (now - self._last)
+            self._last = now
             return
-        # The open window closes. Its least backlog is read just after an answer,
-        # before the closed loop's next requests arrive; a window of arrivals and
-        # no answer (a long batch running) tells nothing and is passed over. One
-        # with no event at all held the backlog as it is, as do the empty ones since.
-        if self._answers or not self._offers:
-            self._closed.append(self._least if self._answers else self._level)
-        for _ in range(min(index - self._window - 1, self._closed.maxlen or 0)):
-            self._closed.append(self._level)
-        self._window, self._least = index, self._level
-        self._answers = self._offers = False
+        # The open window closes at its end; the backlog held since its last event.
+        self._area += self._level * (end - self._last)
+        self._closed.append(self._area / self._window_s)
+        idle = math.floor((now - end) / self._window_s)
+        for _ in range(min(idle, self._closed.maxlen or 0)):
+            self._closed.append(self._level)  # windows with no event held the backlog as it is
+        if seconds_per_item:
+            answering = PACE_WINDOW_REQUESTS * self._request_items * seconds_per_item
+            self._window_s = max(PACE_MIN_WINDOW_S, answering)
+        self._started = self._last = now
+        self._area = 0.0
 
 
 class StandingQueue:

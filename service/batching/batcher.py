@@ -250,7 +250,7 @@ class Batcher:
         # Service rate, items held and the pace of demand, for predicting a
         # newcomer's wait; all change under _lock.
         self._meter = ServiceMeter()
-        self._pace = pace or Pace(batch_items=max_batch_size)
+        self._pace = pace or Pace()
         self._express_outstanding = 0
         self._was_behind = False
         self._bytes_per_item = 0.0  # a body's bytes per item, recent mean (0: none seen)
@@ -460,7 +460,7 @@ class Batcher:
         with self._lock:
             self._meter.completed(now, pending.enqueued_at, served, count)
             if served:
-                self._pace.answered(count, now)
+                self._pace.answered(count, now, self._meter.seconds_per_item)
             if pending.express:
                 self._express_outstanding = max(0, self._express_outstanding - count)
 

@@ -30,7 +30,7 @@ class Behind(Pace):
     """A pace that says the arrivals outrun the answers: the latency budget applies."""
 
     def __init__(self) -> None:
-        super().__init__(batch_items=1)
+        super().__init__()
 
     def behind(self, now: float, seconds_per_item: float | None) -> bool:
         return True

@@ -209,11 +209,11 @@ def test_while_the_service_keeps_up_a_request_may_take_until_its_deadline() -> N
     refused = rule.decide(0.5, 15.0, deadline_s=DEADLINE, behind=True)
     assert refused is not None and "latency budget" in refused.message
     # Keeping up or not, a request whose deadline the work ahead would pass is refused, and told so.
-    late = rule.decide(0.5, 20.0, deadline_s=DEADLINE, behind=False)
+    late = rule.decide(0.5, 25.0, deadline_s=DEADLINE, behind=False)
     assert late is not None and "past the request's 30000 ms deadline" in late.message
-    assert late.retry_after_s == 20
+    assert late.retry_after_s == 25
     # A client's own, shorter deadline (X-Request-Timeout-Ms) is the limit.
-    assert rule.decide(0.0, 1.0, deadline_s=1.2, behind=False) is not None
+    assert rule.decide(0.0, 1.0, deadline_s=1.1, behind=False) is not None
 
 
 def test_while_the_service_keeps_up_a_standing_wait_before_the_handler_is_no_overload() -> None:
@@ -264,13 +264,13 @@ def closed_loop(pace: Pace, start: float, seconds: float, clients: int, texts: i
 
 
 def test_a_closed_loop_keeps_up_however_long_its_standing_queue() -> None:
-    pace = Pace(batch_items=BATCH)
+    pace = Pace()
     pace.offered(64 * 32, 0.0)  # 64 clients start at once: 20 s of work queued
     closed_loop(pace, 0.0, 30.0, clients=64, texts=32)
 
 
 def test_clients_joining_a_closed_loop_are_a_step_not_a_rate() -> None:
-    pace = Pace(batch_items=BATCH)
+    pace = Pace()
     pace.offered(4 * 32, 0.0)
     t = closed_loop(pace, 0.0, 5.0, clients=4, texts=32)
     pace.offered(60 * 32, t + 0.24)  # 60 more clients, straddling a window's end
@@ -279,7 +279,7 @@ def test_clients_joining_a_closed_loop_are_a_step_not_a_rate() -> None:
 
 
 def test_arrivals_that_outrun_the_answers_put_the_service_behind_and_it_recovers() -> None:
-    pace = Pace(batch_items=BATCH)
+    pace = Pace()
     t, verdicts = 0.0, []
     # Open loop at twice capacity: 2 items every 10 ms, 1 answered.
     while t < 3.0:
@@ -288,10 +288,11 @@ def test_arrivals_that_outrun_the_answers_put_the_service_behind_and_it_recovers
         pace.answered(1, t)
         verdicts.append((t, pace.behind(t, ITEM_S)))
     first = next(at for at, late in verdicts if late)
-    assert 0.75 <= first <= 2.0  # within a few windows of the overload's start, not at once
+    assert 1.0 <= first <= 2.5  # within a few windows of the overload's start, not at once
     assert all(late for at, late in verdicts if at > first)
-    # The overload ends: arrivals match the answers again, and within a window or two it is not behind.
-    while t < 4.5:
+    # The overload ends: arrivals match the answers again, and once the windows it
+    # looks back on (four of 0.5 s) are past the growth, it is not behind.
+    while t < 5.1:
         t += ITEM_S
         pace.offered(1, t)
         pace.answered(1, t)
@@ -300,7 +301,7 @@ def test_arrivals_that_outrun_the_answers_put_the_service_behind_and_it_recovers
 
 def test_refused_demand_keeps_an_overloaded_service_behind() -> None:
     # Once it sheds, the queue stops growing, but the refused requests count as demand unmet.
-    pace = Pace(batch_items=BATCH)
+    pace = Pace()
     t = 0.0
     while t < 4.0:
         t += ITEM_S
@@ -310,7 +311,7 @@ def test_refused_demand_keeps_an_overloaded_service_behind() -> None:
 
 
 def test_an_unmeasured_or_idle_service_is_not_behind() -> None:
-    pace = Pace(batch_items=BATCH)
+    pace = Pace()
     pace.offered(10_000, 0.0)
     assert not pace.behind(5.0, None)  # no rate yet: nothing to compare with
     assert not pace.behind(100.0, ITEM_S)  # idle since: the backlog did not grow
