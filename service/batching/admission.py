@@ -1,4 +1,4 @@
-"""Admission: whether a newcomer can still be answered within the latency budget. Pure: no clock, no lock.
+"""Admission: whether a newcomer can still be answered in time. Pure: no clock, no lock.
 
 A request is worth taking only if it will be answered in time. Two things say
 it will not: it already waited past its budget before its handler ran (in the
@@ -7,11 +7,14 @@ thread, in nginx), or the work ahead of it will take longer than what is left.
 Refusing such a request at once costs a fraction of a millisecond; taking it
 costs a model call's share and ends in a 504 anyway, after the client waited.
 
-The work ahead is predicted from the measured service rate: how fast the batch
-thread has been answering requests while it had work, whatever it does inside
-(one batch, sub-batches, sorting by size). :class:`ServiceMeter` keeps that
-rate and counts the requests accepted and not yet answered; the caller passes
-it the time, so the tests need neither a clock nor threads.
+Work is counted in items, not requests. The work ahead is predicted from the
+measured service rate: how fast the batch thread has been answering items
+while it had work, whatever it does inside (one batch, sub-batches, sorting by
+size). :class:`ServiceMeter` keeps that rate and counts the items accepted and
+not yet answered; :class:`Pace` tells a service that keeps up from one whose
+arrivals outrun its answers, which decides what a request may wait
+(:class:`AdmissionRule`). The caller passes the time, so the tests need neither
+a clock nor threads.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 # that one slow batch moves it little and a change of load is seen within a
 # second or two.
 DEFAULT_WINDOW = 256
-# Batches the quick view of the speed spans: the model time per request served
+# Batches the quick view of the speed spans: the model time per item served
 # of about the last two batches. The meter reports the slower of it and the
 # long average, so a sudden loss of speed (a burst of thousands of refusals a
 # second taking the cores, a noisy neighbour) is believed within a batch or
@@ -97,12 +100,16 @@ class ServiceMeter:
     def submitted(self, items: int = 1) -> None:
         self.outstanding += items
 
-    def completed(self, now: float, arrived: float, served: bool, items: int = 1) -> None:
+    def completed(
+        self, now: float, arrived: float, served: bool, items: int = 1, ran: int | None = None
+    ) -> None:
+        """A request of ``items`` left; ``served``: the batch thread ran (``ran`` of) its items."""
         self.outstanding = max(0, self.outstanding - items)
         if not served:
             return
         since = arrived if self._last_done is None else max(arrived, self._last_done)
-        self._long.add(max(0.0, now - since), items)
+        # A large request that failed after some of its parts: only what ran took the time.
+        self._long.add(max(0.0, now - since), items if ran is None else ran)
         self._served += 1
         self._last_done = now if self._last_done is None else max(now, self._last_done)
 
@@ -158,10 +165,12 @@ PACE_MIN_WINDOW_S = 0.5
 # in one window, or across the boundary of two; growth that goes on through
 # three windows is a rate, not a step.
 PACE_WINDOWS = 3
-# A window's growth counts when it passes half a request of the mean size and
-# this share of what the service answers in a window: 2x overload adds a whole
-# window's worth.
-PACE_TOLERANCE = 0.1
+# A window's growth counts when it passes this share of what the service
+# answers in a window (at least two requests, the windows being eight): above
+# the jitter of a closed loop's mean backlog (a cold 32-client loop on MiniLM
+# read three rises of a tenth running within 15 s), below what 1.5x overload
+# adds (half a window's answers) and far below 2x's (all of them).
+PACE_TOLERANCE = 0.3
 # Requests the mean request size spans, roughly.
 PACE_MEAN_REQUESTS = 64
 
@@ -194,11 +203,11 @@ class Pace:
     requests of the mean size, and each window keeps its mean backlog over
     time (a closed loop's backlog dips at each answer and fills again within
     milliseconds; the mean barely moves). The service falls behind when the
-    mean grew, by more than half a request and PACE_TOLERANCE of a window's
-    answers, in each of the last PACE_WINDOWS windows; it is behind until the
-    mean grows by less than that over those windows together. (Shedding
-    empties the queue before the handler at once, a drop that must not read as
-    recovery while the refused demand still grows.) Pure: the caller passes the time.
+    mean grew, by more than PACE_TOLERANCE of a window's answers, in each of
+    the last PACE_WINDOWS windows; it is behind until the mean grows by less
+    than that over those windows together. (Shedding empties the queue before
+    the handler at once, a drop that must not read as recovery while the
+    refused demand still grows.) Pure: the caller passes the time.
     """
 
     def __init__(self, windows: int = PACE_WINDOWS, tolerance: float = PACE_TOLERANCE) -> None:
@@ -241,7 +250,7 @@ class Pace:
         if seconds_per_item is None or len(self._closed) < (self._closed.maxlen or 0):
             return False
         means = list(self._closed)
-        step = max(self._request_items / 2, self._tolerance * self._window_s / seconds_per_item)
+        step = max(1.0, self._tolerance * self._window_s / seconds_per_item)
         if self._behind:
             self._behind = means[-1] - means[0] > step * (len(means) - 1)
         else:

@@ -6,8 +6,10 @@
 #   its result, so a caller that gives up leaves nothing behind.
 # - The batch thread alone takes from the queue: it blocks for the first request,
 #   takes what is already queued, may wait a bounded time for more (GatherPolicy),
-#   and runs the batch. A request that does not fit in the batch is carried over
-#   to head the next one, so arrival order is kept.
+#   and runs the batch. What it took waits in its own list (_waiting) until a
+#   batch takes it: small requests first within half a batch (the express
+#   lane), then bulk requests in arrival order; a request larger than a batch
+#   runs in parts, a batch at a time (Part), and is answered after its last.
 # - Every future it takes gets a result or an exception, whatever the model does;
 #   cancelled futures are skipped, expired ones fail before inference. If a batch
 #   fails, its requests are re-run one by one so only the culprit fails.
@@ -18,8 +20,7 @@
 #   last item is done, so short requests leave before the long ones run; one
 #   whose items span several sub-batches waits for all of them. A failed
 #   sub-batch is re-run item by item, and a bad item fails only its own request.
-#   Gathering is unchanged, so batches stay FIFO: a long item waits at most for
-#   the batch it was gathered into.
+#   A long item waits at most for the batch it was taken into.
 # - Shutdown: stop() enqueues a sentinel behind everything already accepted, so
 #   the thread drains the queue, answers every request, then exits; submit()
 #   refuses new work from that moment.
@@ -92,6 +93,7 @@ class Pending:
     express: bool = False
     # The batch thread's alone, for a request larger than a batch, taken in parts:
     taken: int = 0  # items taken into batches so far
+    ran: int = 0  # items of it that batches ran, for the service meter
     claimed: bool = False
     rows: list[Any] | None = None
     answered_rows: int = 0
@@ -311,8 +313,9 @@ class Batcher:
     def _predict_locked(self, items: int) -> float:
         ahead = self._meter.outstanding
         if 0 < items <= self._express_items:
-            # The express lane: the small requests ahead, and at most a batch of bulk work.
-            ahead = min(ahead, self._express_outstanding + self._max_batch_size)
+            # The express lane: the small requests ahead, at half a batch a batch while
+            # bulk work waits (so twice their items' time), and the batch running.
+            ahead = min(ahead, 2 * self._express_outstanding + self._max_batch_size)
         return predict_wait(ahead, self._meter.seconds_per_item, items)
 
     def load(self) -> Load:
@@ -372,6 +375,7 @@ class Batcher:
         returning: bool = False,
         resend: bool = False,
         first_on_connection: bool = False,
+        queue_wait: float | None = None,
         body_bytes: int | None = None,
     ) -> Pending:
         """Queue a request, or refuse it (503) when the queue is full or it cannot be answered in time.
@@ -381,7 +385,8 @@ class Batcher:
         refused before and was let in from its hold early (AdmissionRule.decide);
         ``resend``: its client was refused before, so it is no fresh demand
         (admission.Pace). ``first_on_connection``: its wait before the handler
-        tells the pace nothing (admission.Pace). ``body_bytes``: the
+        tells the pace nothing (admission.Pace). ``queue_wait``: its wait before
+        its handler (None: since it arrived). ``body_bytes``: the
         size of the body its items came from, to learn what the door may
         expect of a body (estimate_items).
         """
@@ -397,7 +402,9 @@ class Batcher:
             # refused. A request on a connection held after a refusal is counted
             # only if refused again: it may be that refused request sent again,
             # which was counted then, or an open-loop client's next one.
-            waited = None if first_on_connection else now - pending.budget_from
+            waited: float | None = now - pending.budget_from if queue_wait is None else queue_wait
+            if first_on_connection:
+                waited = None
             if not (returning or resend):
                 self._pace.offered(count, now, waited, self._meter.seconds_per_item)
             self._learn_request(count, body_bytes)
@@ -456,10 +463,13 @@ class Batcher:
         now = time.monotonic()
         count = len(pending.items)
         # started_at is set only for requests the batch thread served (not those it refused).
-        served = pending.started_at is not None and not pending.future.cancelled()
+        served = pending.started_at is not None and pending.ran > 0
         with self._lock:
-            self._meter.completed(now, pending.enqueued_at, served, count)
-            if served:
+            self._meter.completed(now, pending.enqueued_at, served, count, ran=pending.ran)
+            # Answered, or gone for a reason of its own (cancelled, its client gone,
+            # its deadline): no longer demand. One refused for overload still is.
+            refused = not served and isinstance(_error_of(pending.future), Overloaded)
+            if not refused:
                 self._pace.answered(count, now, self._meter.seconds_per_item)
             if pending.express:
                 self._express_outstanding = max(0, self._express_outstanding - count)
@@ -510,6 +520,9 @@ class Batcher:
                 held.append(entry)
         # A thread that recovers finds the sentinel and ends instead of waiting.
         self._queue.put(_STOP)
+        with self._lock:
+            self._depth = self._queued_items = 0
+        self._report_depth()
         return sum(_fail(pending.future, error) for pending in held)
 
     # -- batch thread -------------------------------------------------------------
@@ -609,6 +622,17 @@ class Batcher:
     def _waiting_items(self) -> int:
         return sum(len(pending.items) - pending.taken for pending in self._waiting)
 
+    def _drop_finished(self) -> None:
+        """Forget waiting requests already finished (cancelled, their client gone, a part failed)."""
+        finished = [p for p in self._waiting if p.future.done()]
+        if not finished:
+            return
+        self._waiting = [p for p in self._waiting if not p.future.done()]
+        with self._lock:
+            self._depth -= len(finished)
+            self._queued_items -= sum(len(p.items) - p.taken for p in finished)
+        self._report_depth()
+
     def _select(self) -> list[Part]:
         """The waiting items the next batch runs: small requests first, within a bound, then in arrival order.
 
@@ -622,6 +646,7 @@ class Batcher:
         batch runs in parts, a batch at a time), and a later one that does not
         fit whole heads the next batch.
         """
+        self._drop_finished()
         room = self._max_batch_size
         bulk = [p for p in self._waiting if not p.express]
         express = [p for p in self._waiting if p.express]
@@ -694,6 +719,7 @@ class Batcher:
                 )
                 continue
             live.append(part)
+            pending.ran += part.end - part.start
         if not live:
             return
         with self._lock:
@@ -970,6 +996,16 @@ def _complete(part: Part, rows: Outputs, finite: bool) -> None:
         result: Outputs = np.stack(pending.rows) if pending.array else pending.rows
         pending.rows = None
         _answer(pending.future, result, pending.finite)
+
+
+def _error_of(future: Reply) -> BaseException | None:
+    """The exception a finished future holds; None if it was answered or cancelled."""
+    if future.cancelled():
+        return None
+    try:
+        return future.exception(timeout=0)
+    except Exception:  # not finished: cannot happen in a done-callback
+        return None
 
 
 def _claim(future: Reply) -> bool:

@@ -46,10 +46,11 @@ def wait_result(future: Reply, timeout_s: float, gone: Callable[[], bool] | None
     model computes nothing more for it, and ClientClosed is raised.
     """
     until = time.monotonic() + max(0.0, timeout_s)
+    wait = _greenlet_waiter(future) if native.gevent_patched() else _thread_waiter(future)
     while True:
         left = max(0.0, until - time.monotonic())
         step = left if gone is None else min(left, GONE_CHECK_S)
-        if _wait(future, step):
+        if wait(step):
             return future.result(timeout=0)
         if left <= step:
             return _after_deadline(future)
@@ -57,30 +58,34 @@ def wait_result(future: Reply, timeout_s: float, gone: Callable[[], bool] | None
             _take_back(future)
 
 
-def _wait(future: Reply, timeout_s: float) -> bool:
-    """Wait for the future for at most ``timeout_s``; whether it is done."""
-    if native.gevent_patched():
-        _wait_in_greenlet(future, timeout_s)
-        return future.done()
-    try:
-        future.result(timeout=timeout_s)
-    except concurrent.futures.TimeoutError:
-        # TimeoutError is also what DeadlineExceeded from the batch thread is;
-        # a finished future re-raises its own outcome.
-        return future.done()
-    except BaseException:
-        return True  # finished with an error, which result() raises again
-    return True
+def _thread_waiter(future: Reply) -> Callable[[float], bool]:
+    """``wait(timeout_s)``: block this thread on the future for at most that long; whether it is done."""
+
+    def wait(timeout_s: float) -> bool:
+        try:
+            future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            # TimeoutError is also what DeadlineExceeded from the batch thread is;
+            # a finished future re-raises its own outcome.
+            return future.done()
+        except Exception:
+            return True  # finished with an error, which result() raises again
+        return True
+
+    return wait
 
 
 def _take_back(future: Reply) -> None:
+    """Cancel a request whose client is gone, or fail it if a batch has taken it; raises ClientClosed."""
     error = ClientClosed("the client closed the connection while its request waited", reason="client_closed")
     if not future.cancel():
+        # Already taken into a batch: failed now, the batch thread skips its later
+        # parts. If it was answered meanwhile, the answer stands (the caller's
+        # next look at the future returns it) and its write finds the client gone.
         with contextlib.suppress(concurrent.futures.InvalidStateError):
-            # Already taken into a batch: the batch thread skips its later parts.
             future.set_exception(error)
-    if future.done() and not future.cancelled():
-        return  # answered meanwhile: the answer stands, the write will find the client gone
+            raise error
+        return
     raise error
 
 
@@ -113,11 +118,12 @@ def end_of_hub_turn() -> None:
     turned.acquire(timeout=HUB_TURN_WAIT_S)
 
 
-def _wait_in_greenlet(future: Reply, timeout_s: float) -> None:
-    """Yield to the hub until ``future`` is done or ``timeout_s`` passes."""
+def _greenlet_waiter(future: Reply) -> Callable[[float], bool]:
+    """``wait(timeout_s)``: yield to the hub until the future is done or that long passes; whether it is done.
+
+    One Event and one done-callback per request, however many times it waits.
+    """
     global _hub_loop  # noqa: PLW0603
-    if future.done():
-        return
     from gevent import get_hub
     from gevent.event import Event
 
@@ -128,7 +134,13 @@ def _wait_in_greenlet(future: Reply, timeout_s: float) -> None:
     woken = Event()
     # Runs in the batch thread, or here at once if the future finished meanwhile.
     future.add_done_callback(lambda _: loop.run_callback_threadsafe(woken.set))
-    woken.wait(timeout_s)
+
+    def wait(timeout_s: float) -> bool:
+        if not future.done():
+            woken.wait(timeout_s)
+        return future.done()
+
+    return wait
 
 
 def _after_deadline(future: Reply) -> Outputs:

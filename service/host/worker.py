@@ -45,6 +45,7 @@ from service.host.one_write import one_write
 from service.http.arrival import (
     ARRIVAL_ENVIRON_KEY,
     FOLLOW_UP_ENVIRON_KEY,
+    HANDLER_ENVIRON_KEY,
     HELD_OUT,
     HOLD_ENVIRON_KEY,
     LET_IN,
@@ -289,6 +290,7 @@ class StampedApp:
         if returning:
             environ[RETURNING_ENVIRON_KEY] = returning
         environ[FOLLOW_UP_ENVIRON_KEY] = getattr(self._arrivals, "follow_up", True)
+        environ[HANDLER_ENVIRON_KEY] = time.monotonic()
         one_write(start_response)
         answer = self._app(environ, start_response)
         self._arrivals.hold_s = environ.get(HOLD_ENVIRON_KEY, 0.0)

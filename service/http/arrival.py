@@ -22,6 +22,10 @@ TIMEOUT_ENVIRON_KEY = "HTTP_X_REQUEST_TIMEOUT_MS"
 # The monotonic time the worker stamped, then the arrival the door settled on.
 ARRIVAL_ENVIRON_KEY = "serve.arrived"
 
+# The monotonic time the worker handed the request to the app: with the arrival,
+# its wait before the handler (admission.Pace), the body's reading left out.
+HANDLER_ENVIRON_KEY = "serve.handler_at"
+
 # Set by the worker on a request that is not the first on its connection: its
 # wait before the handler says how long the worker's queue is (admission.Pace);
 # a first request's may be the first pass of clients that all connected at once.

@@ -163,7 +163,7 @@ class _Refusal:
 
 def _content_length(environ: dict[str, Any]) -> int | None:
     raw = environ.get("CONTENT_LENGTH")
-    return int(raw) if raw and raw.isdigit() else None
+    return int(raw) if raw and raw.isascii() and raw.isdigit() else None
 
 
 def _deadline_s(environ: dict[str, Any], timeout_ms: int) -> float:
@@ -172,6 +172,6 @@ def _deadline_s(environ: dict[str, Any], timeout_ms: int) -> float:
     A header that is not a positive integer is the route's to refuse (400); here it is ignored.
     """
     raw = environ.get(TIMEOUT_ENVIRON_KEY)
-    if raw is not None and raw.isdigit() and int(raw) > 0:
+    if raw is not None and raw.isascii() and raw.isdigit() and int(raw) > 0:
         timeout_ms = min(timeout_ms, int(raw))
     return timeout_ms / 1000

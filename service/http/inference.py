@@ -37,6 +37,7 @@ from service.http.access import note_batch_size
 from service.http.arrival import (
     ARRIVAL_ENVIRON_KEY,
     FOLLOW_UP_ENVIRON_KEY,
+    HANDLER_ENVIRON_KEY,
     LET_IN,
     RETURNING_ENVIRON_KEY,
     TIMEOUT_ENVIRON_KEY,
@@ -135,11 +136,18 @@ def serve_batched(rt: ModelRuntime, environ: dict[str, Any], parse: Parser) -> B
             returning=returning == LET_IN,
             resend=returning is not None,
             first_on_connection=not environ.get(FOLLOW_UP_ENVIRON_KEY, True),
+            queue_wait=_queue_wait(environ, arrived),
             body_bytes=len(body),
         )
         outputs = wait_result(pending.future, until - time.monotonic(), client_gone(environ))
     note_batch_size(environ, pending.batch_size)
     return Batched(model, outputs, pending.batch_size)
+
+
+def _queue_wait(environ: dict[str, Any], arrived: float) -> float | None:
+    """How long the request waited before its handler (None: the server does not say)."""
+    handler_at = environ.get(HANDLER_ENVIRON_KEY)
+    return max(0.0, handler_at - arrived) if isinstance(handler_at, float) else None
 
 
 def client_gone(environ: dict[str, Any]) -> Callable[[], bool] | None:
@@ -156,7 +164,9 @@ def client_gone(environ: dict[str, Any]) -> Callable[[], bool] | None:
         try:
             readable, _, _ = select.select([sock], [], [], 0)
             return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
-        except (OSError, ValueError):
+        except ValueError:
+            return False  # a socket that cannot peek (TLS): no telling, so not gone
+        except OSError:
             return True  # reset, or closed under us
 
     return gone

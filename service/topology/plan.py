@@ -378,7 +378,7 @@ def _concurrency(
         why = (
             "SERVE_WORKER_CONNECTIONS"
             if settings.worker_connections
-            else f"max batch size {settings.max_batch_size} + {queued} queued (4 batches) "
+            else f"max batch size {settings.max_batch_size} + {queued} queued ({QUEUED_BATCHES} batches) "
             f"+ 8 for probes + {SHED_HEADROOM} to refuse under overload"
         )
         decisions.append(Decision("connections per worker", str(connections), why))
