@@ -87,10 +87,17 @@ class Door:
         )
         environ[ARRIVAL_ENVIRON_KEY] = now - waited
         self._metrics.observe_wait(waited)
+        settings = self._runtime.settings
+        length = _content_length(environ)
+        if length is not None and length > settings.max_body_bytes:
+            return self._app(environ, start_response)  # the route refuses it unread: 413, not 503
         batcher = self._runtime.batcher if queued else None
         # Weighed by its items before they are read: the body's length at the
-        # bytes per item of recent requests (the batcher checks the exact count).
-        items = batcher.estimate_items(_content_length(environ)) if batcher is not None else 1
+        # bytes per item of recent requests, no more than a request may hold
+        # (the batcher checks the exact count).
+        items = 1
+        if batcher is not None:
+            items = min(batcher.estimate_items(length), settings.max_items_per_request)
         predicted, behind = batcher.door_outlook(items) if batcher is not None else (0.0, False)
         returning = environ.get(RETURNING_ENVIRON_KEY)
         # A returning request waited out a hold the worker chose, not a queue: it

@@ -32,6 +32,7 @@ def server() -> Iterator[Server]:
         "SERVE_MLP_WIDTH": str(hostile.WIDTH),
         "SERVE_MLP_DEPTH": "1",
         "SERVE_MAX_ITEMS_PER_REQUEST": str(MAX_ITEMS),
+        "SERVE_MAX_BODY_BYTES": str(MAX_BODY),
         "SERVE_WORKERS": "1",
     }
     with gunicorn(env) as started:

@@ -220,7 +220,7 @@ def test_a_held_resend_is_let_in_as_soon_as_the_batcher_has_room(worker_class: s
         **SHORT_DEADLINE,
         "SERVE_WORKER_CLASS": worker_class,
         "SERVE_MAX_QUEUE": "256",
-        "SERVE_THREADS": "64",
+        "SERVE_THREADS": "96",
     }
     with gunicorn(env) as server:
         # 16 clients first, for the worker to learn its rate.
