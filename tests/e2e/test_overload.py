@@ -120,13 +120,14 @@ class Storm(NamedTuple):
     refused: int  # 503s
     after_refusal: list[float]  # for each 200 answering a resend, the seconds from the 503 before it
     first_try: list[float]  # for each 200 answering a request not refused before, its latency
+    late: int = 0  # 504s: admitted, and its deadline passed before its answer
 
 
 def storm(port: int, clients: int, seconds: float) -> Storm:
     """Closed-loop clients that resend the moment they are answered, 503 included, each on its own
     kept-alive connection, as wrk or a hand-written loop does."""
     lock = threading.Lock()
-    tally = {"refused": 0}
+    tally = {"refused": 0, "late": 0}
     served = [0] * clients
     after_refusal: list[float] = []
     first_try: list[float] = []
@@ -148,9 +149,11 @@ def storm(port: int, clients: int, seconds: float) -> Storm:
                         after_refusal.append(now - refused_at)
                     else:
                         first_try.append(now - sent)
+                elif response.status == 504:
+                    tally["late"] += 1
                 else:
                     tally["refused"] += 1
-            assert response.status in (200, 503), response.status
+            assert response.status in (200, 503, 504), response.status
             refused_at = now if response.status == 503 else None
         conn.close()
 
@@ -159,7 +162,7 @@ def storm(port: int, clients: int, seconds: float) -> Storm:
         thread.start()
     for thread in threads:
         thread.join(timeout=seconds + 60)
-    return Storm(served, int(tally["refused"]), after_refusal, first_try)
+    return Storm(served, int(tally["refused"]), after_refusal, first_try, int(tally["late"]))
 
 
 # Clients that resend at once are refused only when their requests cannot be
@@ -175,8 +178,8 @@ def test_closed_loop_clients_past_the_budget_are_all_answered_by_their_deadline(
     # than they are answered, so the service keeps up and refuses none.
     with gunicorn({**OVERLOAD, "SERVE_WORKER_CLASS": worker_class}) as server:
         capacity = openloop.closed_loop(server.url + "/predict/batched", bodies(), clients=16, seconds=4)
-        served, refused, _, first_try = storm(server.port, 128, 6.0)
-    assert refused == 0
+        served, refused, _, first_try, late = storm(server.port, 128, 6.0)
+    assert refused == 0 and late == 0
     assert statistics.median(first_try) > BUDGET_MS / 1000, (
         "128 clients fit the budget: the test no longer tests"
     )
@@ -197,8 +200,10 @@ def test_clients_that_resend_at_once_get_the_capacity_not_a_storm_of_refusals(wo
     env = {**SHORT_DEADLINE, "SERVE_WORKER_CLASS": worker_class, "SERVE_MAX_QUEUE": "256"}
     with gunicorn(env) as server:
         capacity = openloop.closed_loop(server.url + "/predict/batched", bodies(), clients=16, seconds=4)
-        served, refused, after_refusal, _ = storm(server.port, clients, seconds)
+        served, refused, after_refusal, _, late = storm(server.port, clients, seconds)
     assert refused > 0, "128 clients fit the budget: the test no longer overloads"
+    # Admitted on a prediction within a 1 s deadline, a few can miss it (504); not many.
+    assert late <= 0.05 * sum(served), (late, sum(served))
     most = clients * (seconds / hold_s + 1)
     assert refused <= most, f"{refused} refusals in {seconds} s from {clients} clients"
     # A held resend's wait counts from when it was sent, the moment its 503 came back.
@@ -225,7 +230,8 @@ def test_a_held_resend_is_let_in_as_soon_as_the_batcher_has_room(worker_class: s
     with gunicorn(env) as server:
         # 16 clients first, for the worker to learn its rate.
         openloop.closed_loop(server.url + "/predict/batched", bodies(), clients=16, seconds=3)
-        served, refused, after_refusal, first_try = storm(server.port, 80, 6.0)
+        served, refused, after_refusal, first_try, late = storm(server.port, 80, 6.0)
+    assert late <= 0.05 * sum(served), (late, sum(served))
     assert refused > 0 and after_refusal, "80 clients fit the deadline: the test no longer overloads"
     # A resend waits for the work queued ahead of it, as any request does, and
     # for its turn among the held, less than its hold: it is let in early.
@@ -277,7 +283,8 @@ def test_clients_that_resend_at_once_through_nginx_are_held_too() -> None:
     env = {**SHORT_DEADLINE, "SERVE_MAX_QUEUE": "256"}
     with gunicorn(env) as server, nginx([server.url.removeprefix("http://")], env) as proxy:
         capacity = openloop.closed_loop(proxy.url + "/predict/batched", bodies(), clients=16, seconds=4)
-        served, refused, after_refusal, _ = storm(int(proxy.url.rsplit(":", 1)[1]), clients, seconds)
+        served, refused, after_refusal, _, late = storm(int(proxy.url.rsplit(":", 1)[1]), clients, seconds)
+    assert late <= 0.05 * sum(served), (late, sum(served))
     assert refused > 0, "64 clients fit the budget: the test no longer overloads"
     assert refused <= clients * (seconds / hold_s + 1), f"{refused} refusals in {seconds} s"
     assert max(after_refusal) <= BUDGET_MS / 1000 + 0.5, max(after_refusal)
