@@ -214,7 +214,7 @@ class Pace:
         self._tolerance = tolerance
         self._backlog = 0
         self._before = 0.0  # the items waiting before the handler, as the last fresh request saw them
-        self._request_items = 1.0  # the mean items a request
+        self.request_items = 1.0  # the mean items a request, recent
         self._window_s = PACE_MIN_WINDOW_S  # of the window now open, set when it opened
         self._started: float | None = None  # when the window now open opened
         self._last = 0.0  # the last event in it
@@ -228,7 +228,7 @@ class Pace:
         """A fresh request of ``items`` arrived (admitted or refused), ``waited_s`` before its handler."""
         self._advance(now, seconds_per_item)
         self._backlog += items
-        self._request_items += (items - self._request_items) / PACE_MEAN_REQUESTS
+        self.request_items += (items - self.request_items) / PACE_MEAN_REQUESTS
         # What waits before the handler, in items: the wait at the rate the service answers.
         # None: a wait that tells nothing of it (a connection's first request: clients
         # that connect at once are read one by one, each having waited longer).
@@ -273,7 +273,7 @@ class Pace:
         for _ in range(min(idle, self._closed.maxlen or 0)):
             self._closed.append(self._level)  # windows with no event held the backlog as it is
         if seconds_per_item:
-            answering = PACE_WINDOW_REQUESTS * self._request_items * seconds_per_item
+            answering = PACE_WINDOW_REQUESTS * self.request_items * seconds_per_item
             self._window_s = max(PACE_MIN_WINDOW_S, answering)
         self._started = self._last = now
         self._area = 0.0
@@ -385,18 +385,17 @@ class AdmissionRule:
                 1,
             )
         if not behind:
-            if waited_s + DEADLINE_MARGIN * predicted_s > limit:
-                return Refusal(
-                    f"the work queued ahead would take about {predicted_s * 1000:.0f} ms, past the "
-                    f"request's {limit * 1000:.0f} ms deadline; the service is overloaded, retry shortly",
-                    max(1, math.ceil(predicted_s)),
-                )
-            return None
-        margin = RETURNING_MARGIN if returning else PREDICTION_MARGIN
+            margin, past = (
+                DEADLINE_MARGIN,
+                f"request's {limit * 1000:.0f} ms deadline; the service is overloaded",
+            )
+        else:
+            margin = RETURNING_MARGIN if returning else PREDICTION_MARGIN
+            past = f"{limit * 1000:.0f} ms latency budget; arrivals outrun the answers"
         if waited_s + margin * predicted_s > limit:
             return Refusal(
-                f"the work queued ahead would take about {predicted_s * 1000:.0f} ms, past the "
-                f"{limit * 1000:.0f} ms latency budget; arrivals outrun the answers, retry shortly",
+                f"the work queued ahead would take about {predicted_s * 1000:.0f} ms, "
+                f"past the {past}, retry shortly",
                 # By then the work now ahead is done, and a retry has a fair chance.
                 max(1, math.ceil(predicted_s)),
             )

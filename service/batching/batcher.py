@@ -256,7 +256,6 @@ class Batcher:
         self._express_outstanding = 0
         self._was_behind = False
         self._bytes_per_item = 0.0  # a body's bytes per item, recent mean (0: none seen)
-        self._items_per_request = 1.0
         self._queue: native.SimpleQueue[Any] = native.SimpleQueue()
         # Guards _depth, _accepting, the meter, the pace and the in-flight counts.
         self._lock = native.allocate_lock()
@@ -323,7 +322,7 @@ class Batcher:
         with self._lock:
             spi = self._meter.seconds_per_item
             behind = self._behind(time.monotonic())
-            return Load(self._meter.outstanding, spi, behind, self._items_per_request)
+            return Load(self._meter.outstanding, spi, behind, self._pace.request_items)
 
     def _behind(self, now: float) -> bool:
         """The pace's verdict now (under _lock); a change is logged, as an operator wants to know of it."""
@@ -450,8 +449,7 @@ class Batcher:
             raise Overloaded(refusal.message, refusal.retry_after_s, reason="over_budget")
 
     def _learn_request(self, items: int, body_bytes: int | None) -> None:
-        # Recent means, for requests not yet read (estimate_items, load); under _lock.
-        self._items_per_request += (items - self._items_per_request) / REQUEST_MEAN_WINDOW
+        # A recent mean, for the door's estimate of requests not yet read (estimate_items); under _lock.
         if body_bytes and items > 0:
             per_item = body_bytes / items
             if self._bytes_per_item <= 0:
