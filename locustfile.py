@@ -2,7 +2,7 @@
 
 The dashboard, against a service already running (``bash scripts/serve``):
 
-    bash scripts/dashboard          # installs Locust into .venv, prints the URL to open
+    bash scripts/load/dashboard     # installs Locust into .venv, prints the URL to open
 
 then pick NaiveUser and/or BatchedUser and a shape: StepLoad (1, 8, 32, 64 users per
 route, no think time), ArticleLoad (1, 5, 20 users per route, 1-3 s think time), or
@@ -21,7 +21,7 @@ table in the report):
     .venv/bin/locust -f locustfile.py --host http://127.0.0.1:8000 --headless \
         --shape IndexingLoad --csv reports/indexing IndexingUser
 
-Users send texts drawn from scripts/corpus/mixed.txt (real prose of mixed length) when the
+Users send texts drawn from scripts/fixtures/corpus/mixed.txt (real prose of mixed length) when the
 model takes text; JPEG uploads (the raw body for one image, multipart for several) when it
 takes images; else items that fit it (service.models.base.sample_item). They learn the
 served model from GET /info once, outside the request statistics.
@@ -36,9 +36,9 @@ from typing import Any
 from locust import HttpUser, constant, events, task
 from locust.runners import WorkerRunner
 
-from scripts.loadtest import scenarios, shapes
-from scripts.loadtest.panel import DEFAULT_INTERVAL_S, Panel
-from scripts.loadtest.workload import (
+from scripts.load.loadtest import scenarios, shapes
+from scripts.load.loadtest.panel import DEFAULT_INTERVAL_S, Panel
+from scripts.load.loadtest.workload import (
     DEFAULT_TEXTS_PER_REQUEST,
     check_texts_per_request,
     embeddings_failure,

@@ -9,7 +9,7 @@ Access lines, one per request, are written by a writer thread
 ``StreamHandler`` would make every request thread take the one handler lock
 and write under it, and with dozens of request threads that lock became a
 convoy: measured as over a quarter of a worker's Python time on a model that
-costs nothing (scripts/overhead.py; docs/benchmarks.md, "The request path").
+costs nothing (scripts/bench/overhead.py; docs/benchmarks.md, "The request path").
 """
 
 from __future__ import annotations

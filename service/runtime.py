@@ -176,7 +176,7 @@ def new_batcher(
     """The batcher a worker runs ``model`` with under ``settings``, not yet started.
 
     A model that reports item sizes gets its cost model measured here, first.
-    scripts/offline.py builds the same one to measure the batcher without HTTP.
+    scripts/bench/offline.py builds the same one to measure the batcher without HTTP.
     """
     sizer = item_sizer(model)
     return Batcher(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.offline import splits_for
+from scripts.bench.offline import splits_for
 from tests.support.server import ROOT, Server, gunicorn
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -74,7 +74,7 @@ def test_bench_script_starts_the_service_and_writes_its_table_data_and_plots(tmp
     result = subprocess.run(
         [
             sys.executable,
-            "scripts/bench.py",
+            "scripts/bench/bench.py",
             "--concurrency",
             "1,4",
             "--seconds",
@@ -115,7 +115,7 @@ def test_bench_script_starts_the_service_and_writes_its_table_data_and_plots(tmp
 def test_bench_script_with_the_asyncio_generator_measures_without_errors(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")} | SMALL_MLP
-    command = [sys.executable, "scripts/bench.py", "--generator", "asyncio", "--no-offline"]
+    command = [sys.executable, "scripts/bench/bench.py", "--generator", "asyncio", "--no-offline"]
     command += ["--concurrency", "4", "--seconds", "1", "--warmup", "0", "--out", str(out)]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -127,7 +127,7 @@ def test_bench_script_with_the_asyncio_generator_measures_without_errors(tmp_pat
 
 def test_bench_script_refuses_non_loopback_targets(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "scripts/bench.py", "--url", "http://10.0.0.1:8000", "--out", str(tmp_path)],
+        [sys.executable, "scripts/bench/bench.py", "--url", "http://10.0.0.1:8000", "--out", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -141,11 +141,12 @@ def test_bench_script_reranks_corpus_lines_on_both_rerank_routes_against_the_off
     model_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
     corpus = tmp_path / "corpus.txt"
-    lines = (ROOT / "scripts/corpus/mixed.txt").read_text().splitlines()[:48]
+    lines = (ROOT / "scripts/fixtures/corpus/mixed.txt").read_text().splitlines()[:48]
     corpus.write_text("\n".join(lines) + "\n")
     out = tmp_path / "bench"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")} | {"SERVE_WORKERS": "1"}
-    command = [sys.executable, "scripts/bench.py", "--model", str(model_dirs["rerank"]), "--rerank", "4"]
+    command = [sys.executable, "scripts/bench/bench.py", "--model", str(model_dirs["rerank"])]
+    command += ["--rerank", "4"]
     command += ["--corpus", str(corpus), "--concurrency", "1,4", "--seconds", "1", "--warmup", "0"]
     command += ["--offline-seconds", "0.3", "--out", str(out)]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -173,8 +174,8 @@ def test_bench_script_reranks_corpus_lines_on_both_rerank_routes_against_the_off
 
 
 def test_bench_script_refuses_rerank_of_a_model_that_is_no_cross_encoder(tmp_path: Path) -> None:
-    command = [sys.executable, "scripts/bench.py", "--model", "mlp", "--rerank", "4"]
-    command += ["--corpus", "scripts/corpus/mixed.txt", "--out", str(tmp_path)]
+    command = [sys.executable, "scripts/bench/bench.py", "--model", "mlp", "--rerank", "4"]
+    command += ["--corpus", "scripts/fixtures/corpus/mixed.txt", "--out", str(tmp_path)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     assert "--rerank needs a cross-encoder" in result.stderr

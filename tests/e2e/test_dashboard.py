@@ -1,6 +1,6 @@
 """The Locust dashboard in a real browser: started as docs/load-tests.md says, driven through its UI.
 
-The service runs the default model; ``bash scripts/dashboard`` opens Locust's web
+The service runs the default model; ``bash scripts/load/dashboard`` opens Locust's web
 UI on it; headless Chromium picks the StepLoad shape with the two /predict routes' user
 classes (unticking IndexingUser, whose batched clients test_locust_reports.py runs) and
 starts it, so that each route takes its turn at each user count.
@@ -26,7 +26,7 @@ from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.select import Select
 from selenium.webdriver.support.wait import WebDriverWait
 
-from scripts.launcher import stop
+from scripts.common.launcher import stop
 from tests.support.browser import CHROMEDRIVER, CHROMIUM, SKIP_REASON, chromium
 from tests.support.server import ROOT, free_port, gunicorn
 
@@ -48,12 +48,12 @@ _URL_LINE = re.compile(r"Locust dashboard: (http://\S+)")
 
 @contextlib.contextmanager
 def dashboard(service_url: str, log_path: Path) -> Iterator[str]:
-    """``bash scripts/dashboard`` against ``service_url``; yields the URL it prints, once it answers."""
+    """``bash scripts/load/dashboard`` against ``service_url``; yields the URL it prints, once it answers."""
     env = os.environ | {
         "LOCUST_STEP_SECONDS": str(STEP_SECONDS),
         "LOCUST_METRICS_INTERVAL": str(METRICS_INTERVAL_S),
     }
-    command = ["bash", "scripts/dashboard", "--host", service_url, "--web-port", str(free_port())]
+    command = ["bash", "scripts/load/dashboard", "--host", service_url, "--web-port", str(free_port())]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -68,7 +68,7 @@ def _wait_for_dashboard(process: subprocess.Popen[bytes], log_path: Path, *, tim
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            pytest.fail(f"scripts/dashboard exited with {process.returncode}:\n{log_path.read_text()}")
+            pytest.fail(f"scripts/load/dashboard exited with {process.returncode}:\n{log_path.read_text()}")
         match = _URL_LINE.search(log_path.read_text(errors="replace"))
         if match:
             with contextlib.suppress(requests.ConnectionError):

@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from scripts.launcher import ROOT
+from scripts.common.launcher import ROOT
 from service.metrics import Metrics
 from service.settings import Settings
 from tests.support.metrics import Scrape

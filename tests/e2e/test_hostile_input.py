@@ -14,7 +14,7 @@ import pytest
 import requests
 from hypothesis import HealthCheck, assume, given, settings
 
-from scripts.procs import rss_bytes
+from scripts.common.procs import rss_bytes
 from tests.support import hostile
 from tests.support.server import Server, gunicorn
 from tests.unit.test_hostile_input import ROUTES, _corpus, check

@@ -1,4 +1,4 @@
-"""The container image, for real: built by scripts/build-image, run by podman on loopback, serving embeddings.
+"""The container image, for real: built by scripts/deploy/build-image, run on loopback, serving embeddings.
 
 The first build on a machine makes the wheelhouse and, with no registry, a Debian base
 (several minutes); both are cached in .image-cache/ and reused by later builds.
@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 import requests
 
-from scripts.launcher import ROOT, free_port
+from scripts.common.launcher import ROOT, free_port
 
 PODMAN = shutil.which("podman")
 BUILD_TIMEOUT_S = 1500
@@ -56,7 +56,11 @@ def podman(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]
 @pytest.fixture(scope="module")
 def image() -> str:
     build = subprocess.run(
-        ["bash", "scripts/build-image"], cwd=ROOT, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+        ["bash", "scripts/deploy/build-image"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT_S,
     )
     assert build.returncode == 0, build.stderr[-5000:]
     reference = build.stdout.strip().splitlines()[-1]
@@ -66,11 +70,11 @@ def image() -> str:
 
 @pytest.fixture
 def container(image: str) -> Iterator[tuple[str, str]]:
-    """The image started by scripts/run-image on a free loopback port: (name, url)."""
+    """The image started by scripts/deploy/run-image on a free loopback port: (name, url)."""
     name = f"serve-test-{uuid.uuid4().hex[:8]}"
     port = free_port()
     run = subprocess.run(
-        ["bash", "scripts/run-image", "-d", "--name", name, "-p", f"127.0.0.1:{port}:8000"],
+        ["bash", "scripts/deploy/run-image", "-d", "--name", name, "-p", f"127.0.0.1:{port}:8000"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -21,7 +21,7 @@ import pytest
 import requests
 import tritonclient.http as triton
 
-from scripts.procs import rss_bytes
+from scripts.common.procs import rss_bytes
 from tests.support import images
 from tests.support.server import Server, gunicorn
 

@@ -1,4 +1,4 @@
-"""scripts/launcher.py: gunicorn started, awaited until every worker serves, and stopped with all of them."""
+"""scripts/common/launcher.py: gunicorn started, awaited until each worker serves, stopped with them all."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.launcher import LaunchError, ready_workers, serve
+from scripts.common.launcher import LaunchError, ready_workers, serve
 
 pytestmark = pytest.mark.e2e
 

@@ -113,7 +113,7 @@ def test_indexing_jobs_send_the_embeddings_api_many_texts_a_request(tmp_path: Pa
 @pytest.mark.filterwarnings(images.JIT_DEPRECATED)
 @pytest.mark.parametrize("items", [1, 3])
 def test_locust_sends_an_image_model_jpeg_uploads(tmp_path: Path, items: int) -> None:
-    # One image as the raw body, several as multipart (scripts/loadtest/workload.py).
+    # One image as the raw body, several as multipart (scripts/load/loadtest/workload.py).
     model_dir = images.image_model_dir(tmp_path / "model", "locust-cnn")
     prefix = tmp_path / "images"
     with gunicorn({"SERVE_MODEL": str(model_dir), "SERVE_WORKERS": "1"}) as image_server:

@@ -14,7 +14,7 @@ from tests.support.server import ROOT, Server, gunicorn
 
 pytestmark = pytest.mark.e2e
 
-CORPUS = ROOT / "scripts" / "corpus" / "mixed.txt"
+CORPUS = ROOT / "scripts" / "fixtures" / "corpus" / "mixed.txt"
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Open-loop overload against real gunicorn: the service sheds with 503s and keeps its latency budget.
 
 Requests arrive on a Poisson schedule at several times the measured capacity,
-whatever the service does (scripts/openloop.py), and each latency is timed from
+whatever the service does (scripts/load/openloop.py), and each latency is timed from
 the request's scheduled send. The model is tests.support.models:sleepy: each
 batch of up to 8 items takes 0.1 s and leaves the CPU free, as a model on a GPU
 does, so capacity is about 80 requests a second whatever else the shared
@@ -24,7 +24,7 @@ from typing import NamedTuple
 import pytest
 import requests
 
-from scripts import openloop
+from scripts.load import openloop
 from tests.support.nginx import NGINX, SKIP_REASON, nginx
 from tests.support.raw_http import read_response
 from tests.support.server import Server, gunicorn
@@ -211,7 +211,7 @@ def test_clients_that_resend_at_once_get_the_capacity_not_a_storm_of_refusals(wo
     # Held clients are let in longest held first, so clients take turns rather
     # than the first served keeping every place.
     assert served.count(0) <= clients // 2, f"{served.count(0)} of {clients} clients were never served"
-    # Not the collapse the storm was; the benchmark (scripts/resenders.py) measures how close.
+    # Not the collapse the storm was; the benchmark (scripts/load/resenders.py) measures how close.
     assert sum(served) / seconds >= 0.6 * capacity, (sum(served) / seconds, capacity)
 
 
@@ -276,7 +276,7 @@ def test_clients_that_resend_at_once_through_nginx_are_held_too() -> None:
     # nginx's kept-alive connections to the service carry every client's
     # requests. Left unheld, each resend came straight back through them, and the
     # storm was what it was without holds (64 such clients: 0.17x of capacity in
-    # scripts/resenders.py --behind-nginx). Held, the next request on each waits
+    # scripts/load/resenders.py --behind-nginx). Held, the next request on each waits
     # until the batcher has room for it, whoever sent it.
     hold_s = BUDGET_MS / 2000
     clients, seconds = 64, 6.0

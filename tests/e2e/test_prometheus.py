@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from scripts.launcher import ROOT
+from scripts.common.launcher import ROOT
 from tests.support.prometheus import PROMETHEUS, SKIP_PROMETHEUS, prometheus
 from tests.support.promql import from_grafana
 from tests.support.server import gunicorn

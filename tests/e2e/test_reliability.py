@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from scripts.procs import rss_bytes
+from scripts.common.procs import rss_bytes
 from tests.support.procs import established_connections
 from tests.support.server import Server, gunicorn
 

@@ -30,7 +30,7 @@ def test_a_one_minute_soak_gets_no_other_5xx_and_loses_nothing(tmp_path: Path) -
     done = subprocess.run(
         [
             sys.executable,
-            "scripts/soak.py",
+            "scripts/load/soak.py",
             "--duration",
             "60",
             "--model",

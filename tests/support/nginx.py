@@ -1,4 +1,4 @@
-"""Start nginx in front of running gunicorns through scripts/serve_behind_nginx.py."""
+"""Start nginx in front of running gunicorns through scripts/deploy/serve_behind_nginx.py."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from scripts.launcher import ROOT, free_port, stop, wait_ready
-from scripts.serve_behind_nginx import find_nginx
+from scripts.common.launcher import ROOT, free_port, stop, wait_ready
+from scripts.deploy.serve_behind_nginx import find_nginx
 
 NGINX = find_nginx()
 SKIP_REASON = "nginx not found on PATH or in /usr/sbin: install Debian's nginx package (.ci/run does)"
@@ -52,7 +52,7 @@ def nginx(
     port = free_port()
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")}
     full_env.update(env or {})
-    command = [sys.executable, "scripts/serve_behind_nginx.py", "--nginx", NGINX]
+    command = [sys.executable, "scripts/deploy/serve_behind_nginx.py", "--nginx", NGINX]
     command += ["--listen", f"127.0.0.1:{port}"]
     for backend in backends:
         command += ["--backend", backend]

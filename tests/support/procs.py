@@ -1,4 +1,4 @@
-"""What Linux's /proc says about a process's connections (its workers and memory: scripts.procs)."""
+"""What Linux's /proc says about a process's connections (its workers and memory: scripts.common.procs)."""
 
 from __future__ import annotations
 

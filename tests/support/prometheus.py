@@ -14,7 +14,7 @@ from typing import Any
 import requests
 import yaml
 
-from scripts.launcher import ROOT, free_port, stop
+from scripts.common.launcher import ROOT, free_port, stop
 
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
 RULE_FILES = (PROMETHEUS_DIR / "recording.yaml", PROMETHEUS_DIR / "alerts.yaml")

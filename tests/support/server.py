@@ -1,4 +1,4 @@
-"""Real gunicorn for the end-to-end tests, started and stopped by scripts.launcher."""
+"""Real gunicorn for the end-to-end tests, started and stopped by scripts.common.launcher."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import requests
 
-from scripts.launcher import ROOT, Service, free_port, serve, start, stop
+from scripts.common.launcher import ROOT, Service, free_port, serve, start, stop
 
 __all__ = ["ROOT", "Server", "free_port", "gunicorn", "gunicorn_exit"]
 

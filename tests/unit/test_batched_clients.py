@@ -1,4 +1,4 @@
-"""scripts/batched_clients.py: its request bodies and row math, its loads against a stub, and one real run."""
+"""scripts/bench/batched_clients.py: its request bodies, row math, loads against a stub, and one real run."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts import batched_clients as bc
-from scripts import openloop
+from scripts.bench import batched_clients as bc
+from scripts.load import openloop
 from tests.support.server import ROOT
 
 LINES = [f"line {i}" for i in range(10)]
@@ -212,7 +212,7 @@ def test_the_openai_sdk_scenario_reports_calls_and_the_exceptions_that_reached_t
 def test_the_script_starts_the_service_and_prints_a_row_per_level(tmp_path: Path) -> None:
     out = tmp_path / "clients.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")} | {"SERVE_WORKERS": "1"}
-    command = [sys.executable, "scripts/batched_clients.py", "--embeddings", "2", "--texts", "4"]
+    command = [sys.executable, "scripts/bench/batched_clients.py", "--embeddings", "2", "--texts", "4"]
     command += ["--seconds", "1", "--json", str(out)]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py's pure parts on fake inventories and observations; no GPU is used or mocked.
+"""scripts/bench/gpu_check.py's pure parts on fake inventories and observations; no GPU is used or mocked.
 
 The last test runs the script itself with every GPU hidden, as on a host without one.
 """
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.bench import Row
-from scripts.gpu_check import (
+from scripts.bench.bench import Row
+from scripts.bench.gpu_check import (
     NO_GPU_EXIT,
     Check,
     CheckError,
@@ -242,7 +242,7 @@ def test_without_a_gpu_the_script_says_so_in_one_line_and_exits_2() -> None:
     # An empty CUDA_VISIBLE_DEVICES hides every GPU, so this holds on a host with GPUs too.
     env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")} | {"CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(
-        [sys.executable, "scripts/gpu_check.py"],
+        [sys.executable, "scripts/bench/gpu_check.py"],
         cwd=ROOT,
         env=env,
         capture_output=True,

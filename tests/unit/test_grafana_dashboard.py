@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scripts.launcher import ROOT
+from scripts.common.launcher import ROOT
 from tests.support.prometheus import PROMTOOL, SKIP_PROMTOOL, promtool
 from tests.support.promql import from_grafana
 

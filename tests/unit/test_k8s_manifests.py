@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scripts import render_k8s
-from scripts.render_k8s import K8S_DIR, Options, grace_period_s, manifests, pod_plan, render
+from scripts.deploy import render_k8s
+from scripts.deploy.render_k8s import K8S_DIR, Options, grace_period_s, manifests, pod_plan, render
 from service.errors import SettingsError
 from service.settings import Settings
 from tests.support.prometheus import PROMTOOL, RULE_FILES, SKIP_PROMTOOL, promtool
@@ -184,7 +184,7 @@ def test_the_command_line_renders_with_the_environments_settings(
     text = (tmp_path / "deployment.yaml").read_text()
     # The header names the command that makes the same files again.
     assert text.splitlines()[1].startswith(
-        "#   SERVE_REQUEST_TIMEOUT_MS=8000 python scripts/render_k8s.py --cpus 3 -o"
+        "#   SERVE_REQUEST_TIMEOUT_MS=8000 python scripts/deploy/render_k8s.py --cpus 3 -o"
     )
     pod = yaml.safe_load(text)["spec"]["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] == 10 + (8 + 5) + 5

@@ -8,8 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from scripts.launcher import free_port
-from scripts.loadgen import run_load
+from scripts.common.launcher import free_port
+from scripts.load.loadgen import run_load
 
 # Answers per connection before the stub closes it without warning.
 ANSWERS_PER_CONNECTION = 2

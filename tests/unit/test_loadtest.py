@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from flask.testing import FlaskClient
 
-from scripts.loadtest.panel import WHOLE_RUN, Panel
-from scripts.loadtest.scenarios import ARTICLE_LOAD, INDEXING_LOAD, STEP_LOAD, turn
-from scripts.loadtest.service_metrics import BATCHER_ROW, NOT_APPLICABLE, Reading, RouteCounts, rows
-from scripts.loadtest.workload import (
+from scripts.load.loadtest.panel import WHOLE_RUN, Panel
+from scripts.load.loadtest.scenarios import ARTICLE_LOAD, INDEXING_LOAD, STEP_LOAD, turn
+from scripts.load.loadtest.service_metrics import BATCHER_ROW, NOT_APPLICABLE, Reading, RouteCounts, rows
+from scripts.load.loadtest.workload import (
     Workload,
     check_texts_per_request,
     embeddings_failure,

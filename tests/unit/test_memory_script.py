@@ -1,8 +1,8 @@
-"""scripts/memory.py's verdict on its RSS samples: the two figures that say whether memory is flat."""
+"""scripts/bench/memory.py's verdict on its RSS samples: the two figures that say whether memory is flat."""
 
 from __future__ import annotations
 
-from scripts.memory import verdict
+from scripts.bench.memory import verdict
 
 
 def rows(*columns: list[int], every: int = 10) -> list[dict[str, object]]:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from scripts.render_nginx import (
+from scripts.deploy.render_nginx import (
     PROXY_TIMEOUT_MARGIN_S,
     TEMPLATE,
     Options,

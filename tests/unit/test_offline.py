@@ -1,4 +1,4 @@
-"""The offline measurement (scripts.offline): spawned processes report, or the parent raises promptly."""
+"""The offline measurement (scripts.bench.offline): spawned processes report, or the parent raises at once."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.offline import OfflineError, Split, Strategy, measure
+from scripts.bench.offline import OfflineError, Split, Strategy, measure
 from service.settings import Settings
 
 # Each case spawns processes that import torch.

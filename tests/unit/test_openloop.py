@@ -9,8 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from scripts import openloop
-from scripts.launcher import free_port
+from scripts.common.launcher import free_port
+from scripts.load import openloop
 
 # The stub holds every request this long: a closed-loop client would send a tenth as many.
 HOLD_S = 0.2

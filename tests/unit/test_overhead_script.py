@@ -1,4 +1,4 @@
-"""scripts/overhead.py: the free model, the bare app, how samples are told apart, and its open-loop load."""
+"""scripts/bench/overhead.py: the free model, the bare app, how samples are told apart, its open-loop load."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from scripts import bare_flask, free_model
-from scripts.overhead import BARE, PARTS, ROUTES, Profile, Run, count_parts, drive, part_of, table
-from scripts.overhead import bare_flask as bare_flask_server
-from scripts.procs import cpu_split_seconds, voluntary_switches
+from scripts.bench import bare_flask
+from scripts.bench.overhead import BARE, PARTS, ROUTES, Profile, Run, count_parts, drive, part_of, table
+from scripts.bench.overhead import bare_flask as bare_flask_server
+from scripts.common.procs import cpu_split_seconds, voluntary_switches
+from scripts.fixtures import free_model
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "request_path.py"
+SCRIPT = ROOT / "scripts" / "bench" / "request_path.py"
 
 
 def test_the_free_model_answers_each_text_with_the_same_floats() -> None:
@@ -103,7 +104,7 @@ def test_a_process_reports_its_cpu_split_and_its_threads_switches() -> None:
 
 
 def test_the_in_process_measure_prints_each_route_against_the_bare_app() -> None:
-    # scripts/request_path.py end to end, kept short: a real app on the free model,
+    # scripts/bench/request_path.py end to end, kept short: a real app on the free model,
     # every route answered 200 (the script exits otherwise), a table with a ratio a route.
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--requests", "40", "--rounds", "1", "--profile", "--top", "5"],

@@ -1,4 +1,4 @@
-"""scripts/overload.py's pure parts: requests of several texts, and the overload and recovery phases."""
+"""scripts/load/overload.py's pure parts: requests of several texts, and the overload and recovery phases."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from scripts import openloop, overload
-from scripts.openloop import Outcome, Result
+from scripts.load import openloop, overload
+from scripts.load.openloop import Outcome, Result
 
 
 def test_requests_of_several_texts_stay_within_the_range_and_are_seeded() -> None:

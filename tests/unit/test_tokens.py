@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from service.models.hf import Encoder, Tokens, encode
 
-CORPUS = Path(__file__).resolve().parents[2] / "scripts" / "corpus" / "mixed.txt"
+CORPUS = Path(__file__).resolve().parents[2] / "scripts" / "fixtures" / "corpus" / "mixed.txt"
 TEXTS = [
     *[line for line in CORPUS.read_text(encoding="utf-8").splitlines() if line][:400],
     "",

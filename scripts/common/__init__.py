@@ -1,0 +1,1 @@
+"""What the tools and the end-to-end tests share: starting gunicorn, reading /proc."""

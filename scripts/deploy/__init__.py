@@ -1,0 +1,1 @@
+"""Serving and deploying: nginx in front, the container image, rendered configs, tuning."""
