@@ -2,7 +2,6 @@
 
     .venv/bin/python scripts/load/soak.py                  # 10 minutes on the default model
     .venv/bin/python scripts/load/soak.py --duration 60 --model mlp --workers 2 --spike-seconds 10
-    .venv/bin/python scripts/load/soak.py --no-faults --spike-seconds 0  # memory: workers live the whole run
 
 It starts its own gunicorn on 127.0.0.1 (it must own the master to signal it) and
 sends traffic to that loopback address only. First it measures capacity with
@@ -10,8 +9,7 @@ sends traffic to that loopback address only. First it measures capacity with
 requests arrive on a Poisson schedule at twice that rate, whatever the service
 does (open loop, scripts/load/openloop.py), with a spike to five times it for
 ``--spike-seconds`` in the middle, a share of them malformed, while it SIGKILLs
-one worker a minute and sends one SIGHUP (``--no-faults``: neither, so that each
-worker's RSS shows over the whole run). Valid requests are lines of
+one worker a minute and sends one SIGHUP. Valid requests are lines of
 scripts/fixtures/corpus/mixed.txt (real mixed-length prose) for a text model, random
 items for others.
 
@@ -19,7 +17,8 @@ It reports what was offered, the goodput (200s a second), accepted latency
 p50/p99 from each request's scheduled send, answers by status (2xx, 4xx, 503,
 504, other 5xx, connection errors, lost: never answered within the client
 timeout), the service's own count of refusals by reason, and each worker's RSS
-over time. It exits 1 if any request got another 5xx or was lost.
+over time. It exits 1 if any request got another 5xx or was lost. A worker's
+memory over a long run, with no worker replaced, is scripts/bench/memory.py's.
 ``SERVE_*`` variables in the environment reach the service, except SERVE_BIND.
 """
 
@@ -144,13 +143,10 @@ class Faults:
 
     server: Service
     seconds: float
-    enabled: bool = True
     log: list[str] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
 
     def schedule(self) -> list[tuple[float, str]]:
-        if not self.enabled:
-            return []
         kills = [(t, "SIGKILL") for t in range(15, int(self.seconds) - 5, 60)]
         return sorted([*kills, (self.seconds / 2 + 7, "SIGHUP")])
 
@@ -339,9 +335,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=None, help="SERVE_WORKERS (default: the service's)")
     parser.add_argument("--bad-share", type=float, default=0.1, help="share of malformed requests (0.1)")
     parser.add_argument("--spike-seconds", type=float, default=30, help="seconds at 5x capacity (default 30)")
-    parser.add_argument(
-        "--no-faults", action="store_true", help="no SIGKILLs and no SIGHUP: measure memory over the run"
-    )
     parser.add_argument("--json", type=Path, default=None, help="also write the report here as JSON")
     args = parser.parse_args(argv)
     if args.duration < 30:
@@ -376,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{5 * capacity:.0f} req/s for {spike_seconds:.0f} s of it",
             file=sys.stderr,
         )
-        faults, memory = Faults(server, seconds, enabled=not args.no_faults), Memory(server)
+        faults, memory = Faults(server, seconds), Memory(server)
         with background(memory), background(faults):
             result = openloop.run(
                 url, mix(info, args.bad_share), rate, seconds, times=times, timeout_s=timeout
