@@ -1,10 +1,16 @@
-"""Every relative link and ``#anchor`` in README.md and docs/*.md resolves.
+"""Every relative link and ``#anchor`` in the docs resolves, and every tool they name exists.
 
+The docs are README.md, docs/*.md and the README.md of scripts/ and its folders.
 A link's target must exist, relative to the file that links to it; an anchor into a
 Markdown file must be the slug of one of that file's headings, as GitHub makes them
 (lower case, punctuation dropped, spaces as hyphens, ``-1``, ``-2`` on repeats).
 Links to other sites are not fetched. Code blocks and code spans are skipped, since
 ``# comments`` in a shell block are not headings and ``[x](y)`` in code is not a link.
+
+Tools are checked everywhere, code blocks and spans included, since that is where the
+commands are: every ``scripts/...`` path must exist from the repository's root, and every
+``scripts.x.y`` module (as in ``SERVE_MODEL=scripts.fixtures.free_model:create``) must be
+importable from it, so that a command copied from the docs finds what it runs.
 """
 
 from __future__ import annotations
@@ -16,7 +22,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "scripts").glob("**/README.md")),
+]
 
 FENCE = re.compile(r"^\s*(```|~~~)")
 CODE_SPAN = re.compile(r"(`+).*?\1")
@@ -24,6 +34,9 @@ CODE_SPAN = re.compile(r"(`+).*?\1")
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
 EXTERNAL = re.compile(r"^[a-z][a-z0-9+.-]*:", re.IGNORECASE)
+# A path or module under scripts/, not part of a longer path or name (docs/scripts/x, my.scripts.x).
+SCRIPT_PATH = re.compile(r"(?<![\w./-])scripts/[\w./-]*")
+SCRIPT_MODULE = re.compile(r"(?<![\w./-])scripts(?:\.\w+)+")
 
 
 def prose_lines(path: Path) -> list[tuple[int, str]]:
@@ -78,6 +91,56 @@ def broken(path: Path, target: str) -> str | None:
     if anchor and dest.suffix == ".md" and anchor not in anchors(dest):
         return f"{file_part or path.name} has no heading with the anchor #{anchor}"
     return None
+
+
+def missing_module(dotted: str, root: Path) -> bool:
+    """Whether a dotted name names no module under root; the parts after a module are its attributes."""
+    here = root
+    for part in dotted.split("."):
+        if (here / f"{part}.py").is_file():
+            return False
+        if not (here / part / "__init__.py").is_file():
+            return True
+        here = here / part
+    return False
+
+
+def missing_tools(path: Path, root: Path = ROOT) -> list[str]:
+    """The page's scripts/ paths and scripts.* modules that do not exist, as 'line: name'."""
+    found = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for match in SCRIPT_PATH.finditer(line):
+            name = match.group().rstrip(".,:;")
+            if not (root / name).exists():
+                found.append(f"{number}: {name}")
+        for match in SCRIPT_MODULE.finditer(line):
+            if missing_module(match.group(), root):
+                found.append(f"{number}: {match.group()}")
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_scripts_path_and_module_the_docs_name_exists(page: Path) -> None:
+    problems = [f"{page.relative_to(ROOT)}:{where}" for where in missing_tools(page)]
+    assert not problems, "these do not exist; fix the command or the path:\n" + "\n".join(problems)
+
+
+def test_the_tool_check_finds_missing_paths_and_modules(tmp_path: Path) -> None:
+    (tmp_path / "scripts" / "bench").mkdir(parents=True)
+    for name in ("__init__.py", "bench/__init__.py", "bench/bench.py", "serve"):
+        (tmp_path / "scripts" / name).write_text("")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "Run `bash scripts/serve`, then scripts/bench/bench.py.\n"
+        "```bash\n.venv/bin/python scripts/bench.py --out docs/scripts/x\nbash scripts/deploy/serve\n```\n"
+        "SERVE_MODEL=scripts.bench.bench:create and scripts.bench.gone:create, in scripts.\n",
+        encoding="utf-8",
+    )
+    assert missing_tools(page, tmp_path) == [
+        "3: scripts/bench.py",
+        "4: scripts/deploy/serve",
+        "6: scripts.bench.gone",
+    ]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
