@@ -143,9 +143,12 @@ def _check_model():
     # The plan was made when this file was read, before --chdir; a relative
     # SERVE_MODEL names its directory only now, so the model's oneDNN default
     # is settled here.
-    global plan  # noqa: PLW0603
+    global plan, settings  # noqa: PLW0603
     try:
         check_spec(settings.model)
+        # SERVE_MAX_BODY_BYTES, when unset, follows the model too (an image model
+        # directory takes a photo): read again now that its directory is found.
+        settings = Settings.from_env()
     except SettingsError as exc:
         sys.exit(f"gunicorn_conf.py: {exc}")
     if settings.onednn_cache is None:

@@ -37,6 +37,7 @@ from service.batching.batcher import Batcher, BatchObserver, GatherPolicy, notif
 from service.batching.calibration import calibrate
 from service.batching.subbatch import CostModel
 from service.batching.watchdog import Watchdog
+from service.budget import Budget, body_budget_bytes
 from service.errors import NotReady
 from service.models import Model, describe, load_model
 from service.models.base import Outputs, item_sizer, sample_item, task_of
@@ -56,6 +57,9 @@ class ModelRuntime:
         self.observer = observer or BatchObserver()
         # Refuses what cannot be answered within the latency budget (service.http.door, the batcher).
         self.admission = AdmissionRule(settings.latency_budget_s)
+        # Bytes of request bodies this worker's requests hold at once while they are
+        # read and parsed (service.http.inference): a bound on memory.
+        self.bodies = Budget(body_budget_bytes(settings.max_body_bytes))
         self.model: Model | None = None
         self.batcher: Batcher | None = None
         # Why the model could not be loaded (for the log; see LOAD_FAILED).

@@ -14,9 +14,11 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from service.errors import SettingsError
+from service.image_spec import PREPROCESS_FILE
 
 WORKER_CLASSES = ("gthread", "gevent", "sync")
 LOG_FORMATS = ("text", "json")
@@ -26,6 +28,8 @@ DEVICE_MODES = ("auto", "cpu", "cuda")
 # out so that the master need not import Pillow: SERVE_MAX_IMAGE_PIXELS may only
 # lower it, so that an image Pillow would warn about is refused by our limit first.
 PILLOW_MAX_IMAGE_PIXELS = 89_478_485
+# SERVE_MAX_BODY_BYTES's largest value.
+_MAX_BODY_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,39 @@ def _networks(name: str, raw: str) -> tuple[str, ...]:
 
 # SERVE_MAX_QUEUE's default, in items.
 DEFAULT_QUEUE_ITEMS = 32_768
+# SERVE_MAX_BODY_BYTES's default for a model of text (or vectors): room for
+# 2,048 texts of about 4,000 characters each, as JSON.
+DEFAULT_BODY_BYTES = 8 << 20
+# An image model's default is one image at SERVE_MAX_IMAGE_PIXELS, at this many
+# bytes a pixel (a phone's JPEG or WebP is under 0.7, a PNG screenshot about
+# 1), as base64 in JSON (4/3 of the file), rounded up to a whole MiB.
+IMAGE_BODY_BYTES_PER_PIXEL = 1
+# A refused body is read to its end, as nginx's lingering close does, if it is
+# at most this large or twice the body limit, whichever is larger.
+LINGER_MIN_BYTES = 16 << 20
+
+
+def image_body_bytes(max_image_pixels: int) -> int:
+    """SERVE_MAX_BODY_BYTES's default for an image model: one photo of the most pixels it decodes.
+
+    Never below the text default, so that many small images fit too, and never
+    above the setting's own maximum.
+    """
+    as_base64 = -(-max_image_pixels * IMAGE_BODY_BYTES_PER_PIXEL * 4 // 3)
+    whole_mib = -(-as_base64 // (1 << 20)) << 20
+    return min(max(DEFAULT_BODY_BYTES, whole_mib), _MAX_BODY_BYTES)
+
+
+def default_body_bytes(model: str, max_image_pixels: int) -> int:
+    """SERVE_MAX_BODY_BYTES when unset: the image rule for an image model directory, else the text default.
+
+    An image model directory is known by its preprocess.json (service.model_spec
+    checks the rest). A factory that serves images is not seen from here: it
+    sets SERVE_MAX_BODY_BYTES itself.
+    """
+    if (Path(model) / PREPROCESS_FILE).is_file():
+        return image_body_bytes(max_image_pixels)
+    return DEFAULT_BODY_BYTES
 
 
 @dataclass(frozen=True)
@@ -185,12 +222,15 @@ class Settings:
     # OpenAI's limit on one embeddings request's inputs, and Cohere's on a rerank's documents.
     max_items_per_request: int = 2048
     max_documents_per_request: int = 1000
-    # Room for 2,048 texts of a few thousand characters each, as JSON.
-    max_body_bytes: int = 8 << 20
+    # Set from the model when SERVE_MAX_BODY_BYTES is not (default_body_bytes).
+    max_body_bytes: int = DEFAULT_BODY_BYTES
     # Width x height an image model decodes at most, read from the file's header
     # before any pixel is: 4096 x 4096, 48 MiB of RGB per image being decoded.
     max_image_pixels: int = 4096 * 4096
     max_queue: int | None = None
+    # How long a refused body still arriving is read before the connection
+    # closes, so that its client sees the refusal (service.http.linger); 0: close at once.
+    linger_ms: int = 5000
     request_timeout_ms: int = 30_000
     latency_budget_ms: int | None = None
     stall_timeout_ms: int | None = None
@@ -239,6 +279,10 @@ class Settings:
             raw = env.get(var)
             if raw is not None and raw.strip() != "":
                 values[field_name] = parse(var, raw)
+        if "max_body_bytes" not in values:
+            values["max_body_bytes"] = default_body_bytes(
+                values.get("model", cls.model), values.get("max_image_pixels", cls.max_image_pixels)
+            )
         settings = cls(**values)
         budget, timeout = settings.latency_budget_ms, settings.request_timeout_ms
         if budget is not None and budget > timeout:
@@ -258,6 +302,11 @@ class Settings:
         when nothing else waits.
         """
         return self.max_queue if self.max_queue is not None else DEFAULT_QUEUE_ITEMS
+
+    @property
+    def linger_bytes(self) -> int:
+        """Most bytes of a refused body read before its connection closes: 16 MiB or twice the body limit."""
+        return max(LINGER_MIN_BYTES, 2 * self.max_body_bytes)
 
     @property
     def documents_limit(self) -> int:
@@ -313,9 +362,10 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "token_memory_kb": ("SERVE_TOKEN_MEMORY_KB", _Number(0.001, 1 << 20)),
     "max_items_per_request": ("SERVE_MAX_ITEMS_PER_REQUEST", _Integer(1, 65_536)),
     "max_documents_per_request": ("SERVE_MAX_DOCUMENTS_PER_REQUEST", _Integer(1, 65_536)),
-    "max_body_bytes": ("SERVE_MAX_BODY_BYTES", _Integer(1024, 1 << 30)),
+    "max_body_bytes": ("SERVE_MAX_BODY_BYTES", _Integer(1024, _MAX_BODY_BYTES)),
     "max_image_pixels": ("SERVE_MAX_IMAGE_PIXELS", _Integer(1, PILLOW_MAX_IMAGE_PIXELS)),
     "max_queue": ("SERVE_MAX_QUEUE", _Integer(1, 1_000_000)),
+    "linger_ms": ("SERVE_LINGER_MS", _Integer(0, 60_000)),
     "request_timeout_ms": ("SERVE_REQUEST_TIMEOUT_MS", _Integer(1, 3_600_000)),
     "latency_budget_ms": ("SERVE_LATENCY_BUDGET_MS", _Integer(0, 3_600_000)),
     "stall_timeout_ms": ("SERVE_STALL_TIMEOUT_MS", _Integer(100, 86_400_000)),

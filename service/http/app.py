@@ -10,6 +10,7 @@ from service.http import access, openai_api, rerank, routes, v2
 from service.http.direct import Direct
 from service.http.door import Door
 from service.http.inference import json_response
+from service.http.linger import Linger
 from service.http.routes import bp, require_token
 from service.http.shapes import answer_error
 from service.metrics import Metrics
@@ -49,7 +50,10 @@ def create_app(settings: Settings | None = None) -> Flask:
     # no more than it must (the door answers it before any of that).
     # The busiest inference routes' POSTs (DIRECT) are answered without Flask's
     # request context (service.http.direct): the same answers, for less.
-    app.wsgi_app = Door(access.Access(Direct(app, runtime, metrics, DIRECT), metrics), runtime, metrics)  # type: ignore[method-assign]
+    # Around them all, a refused body still arriving is read before the connection
+    # closes, so that its client reads the refusal (service.http.linger).
+    door = Door(access.Access(Direct(app, runtime, metrics, DIRECT), metrics), runtime, metrics)
+    app.wsgi_app = Linger(door, settings.linger_bytes, settings.linger_ms / 1000)  # type: ignore[method-assign]
     runtime.start()
     return app
 

@@ -12,8 +12,9 @@
 It wraps the Flask app (``app.wsgi_app``) and runs first, in the request's own
 thread or greenlet, before Flask builds a request context, before the token
 check and before the body is read, so a refusal costs a few dictionary lookups
-and a short write (the body is read only after the answer is out, so that the
-connection can carry the client's next request). For the predict routes it
+and a short write (the body is read only after the answer is out, by
+service.http.linger, so that the connection can carry the client's next
+request). For the predict routes it
 
 - settles when the request arrived (service.http.arrival): the worker's stamp
   or nginx's ``X-Request-Start``, whichever says it waited longer; the route
@@ -34,9 +35,8 @@ the request is queued: many requests can pass the door together.
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -59,11 +59,8 @@ if TYPE_CHECKING:
     from service.metrics import Metrics
     from service.runtime import ModelRuntime
 
-log = logging.getLogger(__name__)
-
 # path -> whether its requests queue in the batcher (and so wait for the work ahead).
 ADMITTED_ROUTES = {"/predict": True, "/predict/batched": True, "/predict/naive": False}
-_DRAIN_CHUNK = 64 << 10
 
 
 class Door:
@@ -135,37 +132,9 @@ class Door:
         self._metrics.observe_request(path, 503, time.monotonic() - now)
         if self._runtime.settings.hold_refused:
             ask_to_hold(environ, refusal.retry_after_s, self._runtime.admission.budget_s)
-        return _Refusal(body, environ.get("wsgi.input"), self._runtime.settings.max_body_bytes)
-
-
-class _Refusal:
-    """A refusal's body; closed once the answer is out, it reads the request body left unread.
-
-    The door answers before reading the body, and the server must skip that body
-    to read the next request on the connection. gunicorn skips at most 64 KiB,
-    then closes a connection it has already announced as keep-alive, and the
-    client's next request on it fails. So the rest is read here, after the answer
-    is written, up to the largest body the service accepts: past that the body
-    would be refused anyway (413), and the server may close the connection.
-    """
-
-    def __init__(self, body: bytes, stream: Any, limit: int) -> None:
-        self._body = body
-        self._stream = stream
-        self._limit = limit
-
-    def __iter__(self) -> Iterator[bytes]:
-        yield self._body
-
-    def close(self) -> None:
-        if self._stream is None:
-            return
-        left = self._limit + 1
-        try:
-            while left > 0 and (chunk := self._stream.read(min(_DRAIN_CHUNK, left))):
-                left -= len(chunk)
-        except Exception:  # a client gone, or a malformed chunk: the server closes the connection
-            log.debug("the refused request's body could not be read to its end", exc_info=True)
+        # The body, unread, is read after the answer is out (service.http.linger), so
+        # that the connection can carry the client's next request.
+        return [body]
 
 
 def _content_length(environ: dict[str, Any]) -> int | None:

@@ -32,7 +32,7 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.wsgi import get_input_stream
 
 from service.batching.waiting import wait_result
-from service.errors import BadRequest, PayloadTooLarge
+from service.errors import BadRequest, Overloaded, PayloadTooLarge
 from service.http.access import note_batch_size
 from service.http.arrival import (
     ARRIVAL_ENVIRON_KEY,
@@ -47,6 +47,8 @@ from service.models.base import Outputs
 from service.runtime import EXTENSION, ModelRuntime
 
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
+# A body this small is read without taking room in the worker's bound on bodies.
+SMALL_BODY_BYTES = 64 << 10
 BATCH_SIZE_HEADER = "X-Batch-Size"
 
 # Turns a request body into the model's prepared items, or raises a ServeError.
@@ -108,6 +110,34 @@ def read_body(environ: dict[str, Any], limit: int) -> bytes:
     return body
 
 
+def take_body_room(rt: ModelRuntime, environ: dict[str, Any], until: float) -> int:
+    """Room in the worker's bound on bodies (ModelRuntime.bodies) for this request's: what to give back.
+
+    A body is weighed by its Content-Length, a chunked one as the limit. Bodies
+    of SMALL_BODY_BYTES or less take none (the threads or connections a worker
+    has bound them). A request that finds no room by ``until`` (its latency
+    budget or its deadline) gets 503 rather than hold its thread longer.
+    """
+    limit = rt.settings.max_body_bytes
+    declared = environ.get("CONTENT_LENGTH")
+    if declared and declared.isdigit():
+        weight = min(int(declared), limit)
+    elif "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower():
+        weight = limit
+    else:
+        return 0
+    if weight <= SMALL_BODY_BYTES:
+        return 0
+    taken = rt.bodies.take(weight, max(0.0, until - time.monotonic()))
+    if taken is None:
+        raise Overloaded(
+            f"this worker holds {rt.bodies.held} bytes of request bodies, its bound is "
+            f"{rt.bodies.capacity} (four bodies of SERVE_MAX_BODY_BYTES, at least 64 MiB); retry",
+            reason="queue_full",
+        )
+    return taken
+
+
 @dataclass(frozen=True)
 class Batched:
     model: Model
@@ -126,8 +156,15 @@ def serve_batched(rt: ModelRuntime, environ: dict[str, Any], parse: Parser) -> B
     until = deadline(arrived, rt.settings.request_timeout_ms, environ)
     model, batcher = rt.require_ready()
     with batcher.in_flight():
-        body = read_body(environ, rt.settings.max_body_bytes)
-        items = parse(body, model)
+        room = take_body_room(rt, environ, min(until, arrived + rt.settings.latency_budget_s))
+        try:
+            body = read_body(environ, rt.settings.max_body_bytes)
+            items = parse(body, model)
+            body_bytes = len(body)
+            del body  # the items are what the request holds from here
+        finally:
+            if room:
+                rt.bodies.give_back(room)
         returning = environ.get(RETURNING_ENVIRON_KEY)
         pending = batcher.submit(
             items,
@@ -137,7 +174,7 @@ def serve_batched(rt: ModelRuntime, environ: dict[str, Any], parse: Parser) -> B
             resend=returning is not None,
             first_on_connection=not environ.get(FOLLOW_UP_ENVIRON_KEY, True),
             queue_wait=_queue_wait(environ, arrived),
-            body_bytes=len(body),
+            body_bytes=body_bytes,
         )
         outputs = wait_result(pending.future, until - time.monotonic(), client_gone(environ))
     note_batch_size(environ, pending.batch_size)
@@ -175,7 +212,12 @@ def client_gone(environ: dict[str, Any]) -> Callable[[], bool] | None:
 def serve_naive(rt: ModelRuntime, environ: dict[str, Any], parse: Parser) -> Batched:
     """Parse the request's body and run its items in this thread (the comparison route)."""
     model, _ = rt.require_ready()
-    items = parse(read_body(environ, rt.settings.max_body_bytes), model)
+    room = take_body_room(rt, environ, time.monotonic() + rt.settings.request_timeout_ms / 1000)
+    try:
+        items = parse(read_body(environ, rt.settings.max_body_bytes), model)
+    finally:
+        if room:
+            rt.bodies.give_back(room)
     outputs = rt.predict_naive(items)
     note_batch_size(environ, len(items))
     return Batched(model, outputs, len(items))

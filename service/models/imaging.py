@@ -13,8 +13,12 @@ BYTES element) or a string of base64, a ``data:`` URI included (JSON). Only
 JPEG, PNG and WebP are opened, one frame each: a file is refused before any
 pixel is decoded when its header says it is too large (SERVE_MAX_IMAGE_PIXELS,
 under Pillow's own decompression-bomb guard), empty, or animated. Every
-refusal names the problem: 413 too many pixels, 415 another image format,
-422 (ValueError) anything undecodable. Pillow releases the GIL while it
+refusal names the problem: 413 too many pixels, 415 another image format
+(HEIC and AVIF from phones included, with the formats that are served),
+422 (ValueError) anything undecodable. A worker decodes at most
+DECODES_AT_ONCE images of the pixel limit at once (smaller ones by their
+pixels), so that many large photos arriving together wait rather than
+exhaust its memory. Pillow releases the GIL while it
 decodes and resizes, so request threads preprocess in parallel and the batch
 thread only stacks and runs.
 """
@@ -29,6 +33,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from service.budget import Budget
 from service.errors import PayloadTooLarge, ServeError, UnsupportedMediaType
 from service.image_spec import ImageSpec
 from service.models.base import json_type
@@ -51,11 +56,29 @@ _OTHER_SIGNATURES = {
     b"\x00\x00\x01\x00": "ICO",
     b"8BPS": "PSD",
 }
+# ISO base media files (HEIC from an iPhone's camera, AVIF) by the brands in
+# their ftyp box: phones send them, and this service decodes neither.
+_HEIF_BRANDS = {b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"hevm", b"hevs", b"mif1", b"msf1"}
+_AVIF_BRANDS = {b"avif", b"avis"}
+# Images of SERVE_MAX_IMAGE_PIXELS one worker decodes at once (smaller ones
+# count by their pixels): each is width x height x 4 bytes once decoded, and
+# again as it is converted, so a worker of 72 request threads would otherwise
+# hold gigabytes while dozens of photos decode.
+DECODES_AT_ONCE = 2
 _RESAMPLING = {
     "nearest": Image.Resampling.NEAREST,
     "bilinear": Image.Resampling.BILINEAR,
     "bicubic": Image.Resampling.BICUBIC,
     "lanczos": Image.Resampling.LANCZOS,
+}
+
+
+# What every 415 for an image says: the formats that are served.
+SERVED = "this model takes JPEG, PNG or WebP (image/jpeg, image/png, image/webp)"
+_CONVERT_HINT = {
+    "HEIC": "; convert it first (an iPhone saves JPEG with Settings > Camera > Formats > Most Compatible)",
+    "HEIF": "; convert it to JPEG first",
+    "AVIF": "; convert it to JPEG or WebP first",
 }
 
 
@@ -94,7 +117,22 @@ def sniff(data: bytes) -> str | None:
         return "PNG"
     if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         return "WEBP"
+    if data[4:8] == b"ftyp":
+        return _iso_media_format(data)
     return next((name for magic, name in _OTHER_SIGNATURES.items() if data.startswith(magic)), None)
+
+
+def _iso_media_format(data: bytes) -> str | None:
+    """HEIC, HEIF or AVIF, from an ISO base media file's ftyp box: its major and compatible brands."""
+    size = int.from_bytes(data[:4], "big")
+    box = data[8 : min(max(size, 16), 256)]
+    # The major brand, a minor version, then the compatible brands.
+    brands = {box[:4]} | {box[i : i + 4] for i in range(8, len(box) - 3, 4)}
+    if brands & _AVIF_BRANDS:
+        return "AVIF"
+    if brands & _HEIF_BRANDS:
+        return "HEIC" if brands & (_HEIF_BRANDS - {b"mif1", b"msf1"}) else "HEIF"
+    return None
 
 
 class ImagePreprocessor:
@@ -104,13 +142,30 @@ class ImagePreprocessor:
         self.spec = spec
         self.max_pixels = max_pixels
         self.input_shape = spec.input_shape
+        # Pixels this preprocessor's request threads decode at once (one per worker, as the model is).
+        self._decoding = Budget(DECODES_AT_ONCE * max_pixels)
         channels = self.input_shape[0]
         # Shaped to broadcast over height x width x channels, in float32 as torchvision's Normalize.
         self._mean = np.resize(np.asarray(spec.mean, dtype=np.float32), channels)
         self._std = np.resize(np.asarray(spec.std, dtype=np.float32), channels)
 
     def __call__(self, item: Any) -> np.ndarray:
-        return self.transform(self.decode(image_bytes(item)))
+        data = image_bytes(item)
+        # Held from the decode until the model's small array is made: the decoded
+        # image lives until the resize.
+        with self._decoding.hold(self._pixels(data)):
+            return self.transform(self.decode(data))
+
+    def _pixels(self, data: bytes) -> int:
+        """The pixels the file's header announces, within the limit; 0 for a file decode() will refuse."""
+        if sniff(data) not in FORMATS:
+            return 0
+        try:
+            with Image.open(io.BytesIO(data), formats=FORMATS) as image:
+                width, height = image.size
+        except Exception:  # decode() reads the same header and says what is wrong with it
+            return 0
+        return max(0, min(width * height, self.max_pixels))
 
     def decode(self, data: bytes) -> Image.Image:
         """One frame of ``data``, loaded, in the declared channels' mode (RGB for BGR)."""
@@ -119,7 +174,7 @@ class ImagePreprocessor:
         found = sniff(data)
         if found not in FORMATS:
             if found is not None:
-                raise UnsupportedMediaType(f"the image is {found}; this model takes JPEG, PNG or WebP")
+                raise UnsupportedMediaType(f"the image is {found}; {SERVED}{_CONVERT_HINT.get(found, '')}")
             raise ImageError("the data is not a JPEG, PNG or WebP image (its first bytes are none of theirs)")
         try:
             with Image.open(io.BytesIO(data), formats=FORMATS) as image:
