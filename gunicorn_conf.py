@@ -19,6 +19,7 @@ from service.host.slots import SlotTable
 from service.host.worker import BalancedThreadWorker
 from service.logs import logging_config
 from service.model_spec import check_spec, default_onednn_cache
+from service.models.precision import check_device
 from service.settings import Settings, cuda_visible_devices
 from service.topology.inventory import first_inventory
 from service.topology.plan import plan as plan_topology
@@ -30,6 +31,10 @@ try:
     # their GPU memory; a fresh inventory would plan smaller shares (or none).
     # The first one read, kept by the module, plans every reload alike.
     plan = plan_topology(settings, first_inventory(cuda_visible_devices()))
+    # What the planned devices refuse whatever the model (float16 on a CPU, int8
+    # on a GPU...), before any worker loads the model only to fail.
+    for device in sorted({worker.device for worker in plan.workers}):
+        check_device(settings.precision, device)
 except SettingsError as exc:
     # A message, not a traceback: the variable and the fix are all the reader needs.
     sys.exit(f"gunicorn_conf.py: {exc}")
@@ -96,6 +101,7 @@ def on_starting(server):
     _check_model()
     _log_plan(server)
     _share_metrics(server)
+    _share_run_dir(server)
 
 
 def pre_fork(server, worker):
@@ -214,6 +220,16 @@ def _join_balance(server, worker):
 def _leave_balance(server, worker):
     # At once, rather than when its entry goes stale: the others stop counting it.
     connection_shares.forget(worker.serve_slot, worker.pid)
+
+
+# -- what one worker settles for all ------------------------------------------------
+
+
+def _share_run_dir(server):
+    # The first worker to check the model's precision leaves its choice here for
+    # the others (service.models.precision_cache); once per master, like the metrics.
+    path = settings.run_dir or multiproc.prepare(None, prefix="serve-run-")
+    os.environ["SERVE_RUN_DIR"] = path
 
 
 # -- metrics over all workers -------------------------------------------------------

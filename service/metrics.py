@@ -161,10 +161,21 @@ class Metrics(BatchObserver):
         self.model_info = _gauge(
             r,
             "serve_model_info",
-            "1 per live worker, labelled with the name and task of the model it serves.",
+            "1 per live worker, labelled with the name, task and precision of the model it serves.",
             "slot",
             "name",
             "task",
+            "precision",
+            per_worker=True,
+        )
+        # What reduced precision cost, against float32 on the sample items (service.models.precision).
+        self.exactness = _gauge(
+            r,
+            "serve_model_exactness",
+            "How close the model's outputs in the precision in use are to float32's on the sample items, "
+            "by figure (min_cosine, median_cosine, top1_agreement, max_score_diff).",
+            "slot",
+            "figure",
             per_worker=True,
         )
         self.gpu_allocated = _gauge(
@@ -294,8 +305,12 @@ class Metrics(BatchObserver):
         self._rss_read_at = now
         self.resident_memory.labels(self.slot, self._device_label).set(resident_bytes())
 
-    def on_model_info(self, name: str, task: str) -> None:
-        self.model_info.labels(self.slot, name, task).set(1)
+    def on_model_info(self, name: str, task: str, precision: str = "float32") -> None:
+        self.model_info.labels(self.slot, name, task, precision).set(1)
+
+    def on_precision(self, exactness: dict[str, float]) -> None:
+        for figure, value in exactness.items():
+            self.exactness.labels(self.slot, figure).set(value)
 
     def _record_gpu_memory(self) -> None:
         if self._gpu is None:

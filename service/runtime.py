@@ -41,6 +41,8 @@ from service.budget import Budget, body_budget_bytes
 from service.errors import NotReady
 from service.models import Model, describe, load_model
 from service.models.base import Outputs, item_sizer, sample_item, task_of
+from service.models.precision import Outcome
+from service.models.precision_cache import settle
 from service.outputs import check_outputs, client_error
 from service.settings import Settings
 
@@ -67,6 +69,8 @@ class ModelRuntime:
         # Why a loaded worker can no longer serve (a batch-thread fault).
         self.failure: str | None = None
         self.load_seconds: float | None = None
+        # The precision the model runs in and its cost in exactness (service.models.precision).
+        self.precision: Outcome | None = None
         self.pid = os.getpid()
         self.device = "cpu"
         # What the host does after a batch-thread fault, e.g. exit the worker.
@@ -107,6 +111,8 @@ class ModelRuntime:
         started = time.monotonic()
         try:
             model = load_model(self.settings, self.device)
+            # Before the cost model is measured: it is the reduced network that runs.
+            self.precision = settle(model, task_of(model), self.settings, self.device)
         except Exception as exc:
             log.exception("model %r failed to load", self.settings.model)
             self.load_error = f"model {self.settings.model!r} failed to load: {type(exc).__name__}: {exc}"
@@ -116,7 +122,11 @@ class ModelRuntime:
         batcher.start()
         self.model, self.batcher = model, batcher
         notify(self.observer.on_model_loaded, model.device, self.load_seconds)
-        notify(self.observer.on_model_info, model.name, task_of(model))
+        precision = self.precision.precision if self.precision is not None else "float32"
+        notify(self.observer.on_model_info, model.name, task_of(model), precision)
+        if self.precision is not None:
+            notify(self.observer.on_precision, self.precision.exactness)
+            log.info("model %s: %s", model.name, self.precision.summary())
         Watchdog(batcher, limit_s=self.settings.stall_limit_s, on_fault=self._fault).start()
         task, seconds = task_of(model), self.load_seconds
         log.info("model %s (%s) loaded on %s in %.1f s", model.name, task, model.device, seconds)

@@ -23,6 +23,8 @@ from service.image_spec import PREPROCESS_FILE
 WORKER_CLASSES = ("gthread", "gevent", "sync")
 LOG_FORMATS = ("text", "json")
 BATCH_GATHER_POLICIES = ("adaptive", "eager")
+# What SERVE_PRECISION takes (service.models.precision; docs/models.md, "Precision").
+PRECISIONS = ("auto", "float32", "float16", "bfloat16", "int8")
 DEVICE_MODES = ("auto", "cpu", "cuda")
 # Pillow's own decompression-bomb threshold (PIL.Image.MAX_IMAGE_PIXELS), written
 # out so that the master need not import Pillow: SERVE_MAX_IMAGE_PIXELS may only
@@ -234,6 +236,13 @@ class Settings:
     request_timeout_ms: int = 30_000
     latency_budget_ms: int | None = None
     stall_timeout_ms: int | None = None
+    # The arithmetic the network runs in, and how close to float32 a reduced one
+    # must stay on the sample items to be kept (service.models.precision).
+    precision: str = "auto"
+    precision_min_cosine: float = 0.95
+    precision_median_cosine: float = 0.98
+    precision_min_top1: float = 0.95
+    precision_max_score_diff: float = 0.1
     mlp_width: int = 256
     mlp_depth: int = 8
     mlp_seed: int = 0
@@ -269,6 +278,9 @@ class Settings:
     # Set by the launcher (gunicorn_conf.py) for its workers; None serves
     # metrics from this process alone.
     prometheus_multiproc_dir: str | None = None
+    # Set by gunicorn_conf.py: a directory its workers share, where the first to
+    # check the model's precision leaves its choice for the others.
+    run_dir: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -369,6 +381,11 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "request_timeout_ms": ("SERVE_REQUEST_TIMEOUT_MS", _Integer(1, 3_600_000)),
     "latency_budget_ms": ("SERVE_LATENCY_BUDGET_MS", _Integer(0, 3_600_000)),
     "stall_timeout_ms": ("SERVE_STALL_TIMEOUT_MS", _Integer(100, 86_400_000)),
+    "precision": ("SERVE_PRECISION", _Choice(PRECISIONS)),
+    "precision_min_cosine": ("SERVE_PRECISION_MIN_COSINE", _Number(0, 1)),
+    "precision_median_cosine": ("SERVE_PRECISION_MEDIAN_COSINE", _Number(0, 1)),
+    "precision_min_top1": ("SERVE_PRECISION_MIN_TOP1", _Number(0, 1)),
+    "precision_max_score_diff": ("SERVE_PRECISION_MAX_SCORE_DIFF", _Number(0, 1000)),
     "mlp_width": ("SERVE_MLP_WIDTH", _Integer(1, 65_536)),
     "mlp_depth": ("SERVE_MLP_DEPTH", _Integer(1, 1024)),
     "mlp_seed": ("SERVE_MLP_SEED", _Integer(0, 2**31 - 1)),
@@ -397,6 +414,7 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     # prometheus_client's own variable: it must be in the environment before
     # prometheus_client is imported, so it keeps its name.
     "prometheus_multiproc_dir": ("PROMETHEUS_MULTIPROC_DIR", _text),
+    "run_dir": ("SERVE_RUN_DIR", _text),
 }
 
 

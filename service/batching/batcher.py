@@ -205,8 +205,11 @@ class BatchObserver:
     def on_model_loaded(self, device: str, seconds: float) -> None:
         pass
 
-    def on_model_info(self, name: str, task: str) -> None:
-        """The loaded model's name and task (service.models.base.task_of), from the loader thread."""
+    def on_model_info(self, name: str, task: str, precision: str = "float32") -> None:
+        """The loaded model's name, task (models.base.task_of) and precision, from the loader thread."""
+
+    def on_precision(self, exactness: dict[str, float]) -> None:
+        """How far the precision in use is from float32 on the sample items (empty for float32)."""
 
 
 @dataclass(frozen=True)

@@ -18,14 +18,14 @@ from pathlib import Path
 _created: list[Path] = []
 
 
-def prepare(path: str | None) -> str:
+def prepare(path: str | None, prefix: str = "serve-metrics-") -> str:
     """The directory to use: ``path`` emptied of stale metrics, or a fresh temporary one.
 
     Files left by an earlier run would be summed into this run's counters, so
     a given directory is wiped of them (and created if missing).
     """
     if path is None:
-        fresh = Path(tempfile.mkdtemp(prefix="serve-metrics-"))
+        fresh = Path(tempfile.mkdtemp(prefix=prefix))
         _created.append(fresh)
         return str(fresh)
     directory = Path(path)

@@ -121,6 +121,8 @@ def info() -> Response:
     return json_response(
         {
             "model": describe(rt.model) if rt.model is not None else None,
+            # The precision in use, what was asked for, and its exactness against float32.
+            "precision": rt.precision.describe() if rt.precision is not None else None,
             "ready": rt.readiness() is None,
             "not_ready_reason": rt.readiness(),
             "pid": rt.pid,

@@ -47,6 +47,19 @@ class SentenceEmbeddingModel:
         # A text model's item_shape is what it returns for one item (service.http.v2_codec).
         self.item_shape: tuple[int, ...] | None = (dimension,) if dimension else None
 
+    def network(self) -> Any:
+        """The directory's transformer, what SERVE_PRECISION reduces: pooling and the rest stay float32."""
+        return getattr(self._model[0], self._network_attribute())
+
+    def use_network(self, module: Any) -> None:
+        setattr(self._model[0], self._network_attribute(), module)
+
+    def _network_attribute(self) -> str:
+        # Newer sentence-transformers hold it as ``model`` (``auto_model`` only reads
+        # it, and setting it would add an unused module); older ones, as ``auto_model``.
+        held = getattr(self._model[0], "model", None)
+        return "model" if isinstance(held, torch.nn.Module) else "auto_model"
+
     def prepare(self, item: Any) -> Tokens:
         """Check and tokenize one text in the request thread, truncated to the directory's max_seq_length."""
         return self._encode(check_text(item))

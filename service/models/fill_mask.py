@@ -57,6 +57,13 @@ class MaskedLMModel:
         self._encode = Encoder(self._tokenizer, max_length=None)
         self._pad_id = self._tokenizer.pad_token_id or 0
 
+    def network(self) -> Any:
+        """The network SERVE_PRECISION reduces (service.models.precision)."""
+        return self._model
+
+    def use_network(self, module: Any) -> None:
+        self._model = module
+
     def prepare(self, item: Any) -> Tokens:
         text = check_text(item)
         tokens = self._encode(text)

@@ -48,20 +48,34 @@ class MiniLMModel:
         self._max_length = json.loads((path / "sentence_bert_config.json").read_text())["max_seq_length"]
         self._encode = Encoder(self._tokenizer, max_length=self._max_length)
         self._pad_id = self._tokenizer.pad_token_id or 0
-        embedder = _Embedder(AutoModel.from_pretrained(path, local_files_only=True)).eval().to(device)
-        # Traced, the forward pass is one call that drops the GIL once. Eagerly,
-        # each of its few hundred ops drops and retakes it, and while request
-        # threads parse and answer, every retake can wait up to the interpreter's
-        # 5 ms switch interval: a batch took 2-20x longer under load (see
-        # docs/benchmarks.md). The example is padded so that the attention mask's
-        # path is the one traced; the tests compare against sentence-transformers
-        # on batches of mixed lengths.
+        self._encoder = AutoModel.from_pretrained(path, local_files_only=True).eval().to(device)
+        self._embed = self._trace(self._encoder)
+
+    def _trace(self, encoder: torch.nn.Module) -> Any:
+        """The pipeline around ``encoder``, traced.
+
+        Traced, the forward pass is one call that drops the GIL once. Eagerly,
+        each of its few hundred ops drops and retakes it, and while request
+        threads parse and answer, every retake can wait up to the interpreter's
+        5 ms switch interval: a batch took 2-20x longer under load (see
+        docs/benchmarks.md). The example is padded so that the attention mask's
+        path is the one traced; the tests compare against sentence-transformers
+        on batches of mixed lengths.
+        """
         example = self._pad([self._encode("a"), self._encode("a longer example, so that one is padded")])
         with warnings.catch_warnings(), torch.inference_mode():
             # The tracer warns about Python values frozen into the trace: shape
             # checks inside transformers that hold for every batch shape.
             warnings.simplefilter("ignore")
-            self._embed = torch.jit.trace(embedder, example)  # type: ignore[no-untyped-call]
+            return torch.jit.trace(_Embedder(encoder).eval(), example)  # type: ignore[no-untyped-call]
+
+    def network(self) -> Any:
+        """The transformer, what SERVE_PRECISION reduces (service.models.precision)."""
+        return self._encoder
+
+    def use_network(self, module: Any) -> None:
+        self._encoder = module
+        self._embed = self._trace(module)
 
     def prepare(self, item: Any) -> Tokens:
         """Check and tokenize one text, in the request thread: the batch thread only pads."""
@@ -103,7 +117,8 @@ class _Embedder(torch.nn.Module):
         self.encoder = encoder
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        tokens = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        # Pooled and normalised in float32, whatever the precision the encoder runs in.
+        tokens = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state.float()
         mask = attention_mask.unsqueeze(-1).to(tokens.dtype)
         pooled = (tokens * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
         return torch.nn.functional.normalize(pooled, p=2, dim=1)

@@ -58,6 +58,13 @@ class CrossEncoderModel:
         self._pad_id = self._tokenizer.pad_token_id or 0
         self._activation = default_activation(self._model.config)
 
+    def network(self) -> Any:
+        """The network SERVE_PRECISION reduces (service.models.precision)."""
+        return self._model
+
+    def use_network(self, module: Any) -> None:
+        self._model = module
+
     def prepare(self, item: Any) -> Tokens:
         """A ``[query, document]`` pair, checked and tokenized jointly in the request thread."""
         if not (isinstance(item, (list, tuple)) and len(item) == 2):

@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""What a reduced precision buys and costs: throughput against float32, and exactness on a real corpus.
+
+    .venv/bin/python scripts/bench/precision.py --precisions float32,int8 --clients 64 --seconds 20
+    .venv/bin/python scripts/bench/precision.py --model DIR --rerank 16 --precisions float32,int8
+
+For each precision (float32 first, as the reference) in one run:
+
+- exactness on every line of scripts/fixtures/corpus/mixed.txt, in this process,
+  the model loaded and its precision settled as a worker settles it: for
+  embeddings the smallest and median cosine with float32's; with --rerank N, a
+  query (the opening words of one line) against N lines, the top document's
+  agreement with float32 over every query and the largest score difference;
+- the offline limit: texts/s of the model's predict on the corpus, in batches
+  of 32 sorted by length, one process with every core;
+- the batched route: gunicorn started with SERVE_PRECISION, --clients
+  closed-loop clients each sending one corpus line a request (a rerank of N
+  lines with --rerank) to /predict/batched (/rerank/batched); items/s and p50.
+  The services run in turn, float32 and each other precision alternately,
+  --repeat times; the table gives medians and each precision's ratio to float32.
+
+Prints a Markdown table; --json writes the numbers. Loopback only; bounded in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from scripts.common.launcher import serve  # noqa: E402
+from scripts.load.loadgen import run_load  # noqa: E402
+
+CORPUS = ROOT / "scripts" / "fixtures" / "corpus" / "mixed.txt"
+
+
+def corpus() -> list[str]:
+    return [line.strip() for line in CORPUS.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def rerank_pairs(texts: list[str], documents: int) -> tuple[list[list[str]], int]:
+    """Queries (a line's opening words) each against ``documents`` lines, that line among them."""
+    pairs = []
+    for start in range(0, len(texts) - documents + 1, documents):
+        window = texts[start : start + documents]
+        query = " ".join(window[(start // documents) % documents].split()[:6])
+        pairs.extend([query, document] for document in window)
+    return pairs, documents
+
+
+def offline(model_spec: str, precision: str, items: list[Any], group: int) -> dict[str, Any]:
+    """Load and settle the model in ``precision``; its outputs on ``items`` and its offline texts/s."""
+    import torch
+
+    from service.models import load_model
+    from service.models.base import task_of
+    from service.models.precision_cache import settle
+    from service.settings import Settings
+
+    settings = Settings.from_env({**os.environ, "SERVE_MODEL": model_spec, "SERVE_PRECISION": precision})
+    torch.set_num_threads(os.cpu_count() or 1)  # one process, every core
+    model = load_model(settings, "cpu")
+    outcome = settle(model, task_of(model), settings.replace(run_dir=None), "cpu")
+    prepared = [model.prepare(item) for item in items]
+    order = sorted(range(len(prepared)), key=lambda i: model.item_size(prepared[i]))  # type: ignore[attr-defined]
+    outputs: list[Any] = [None] * len(prepared)
+    for start in range(0, len(order), 32):  # a first pass, unmeasured: warms every shape
+        chunk = order[start : start + 32]
+        for index, output in zip(chunk, model.predict([prepared[i] for i in chunk]), strict=True):
+            outputs[index] = output
+    began = time.perf_counter()
+    for start in range(0, len(order), 32):
+        model.predict([prepared[i] for i in order[start : start + 32]])
+    seconds = time.perf_counter() - began
+    return {"outcome": outcome.describe(), "outputs": outputs, "items_per_s": len(prepared) / seconds}
+
+
+def route(
+    model_spec: str, precision: str, bodies: list[bytes], path: str, clients: int, seconds: float
+) -> dict:
+    env = {**os.environ, "SERVE_MODEL": model_spec, "SERVE_PRECISION": precision}
+    with serve(env, all_workers=True, ready_timeout=600) as service:
+        with urllib.request.urlopen(service.url + "/info") as answer:
+            info = json.loads(answer.read())
+        run_load(service.url + path, bodies, clients, min(5.0, seconds))  # warm every worker's shapes
+        result = run_load(service.url + path, bodies, clients, seconds)
+    return {
+        "precision_in_use": info["precision"]["in_use"],
+        "requests_per_s": result.rps,
+        "p50_ms": result.p50_ms,
+        "errors": result.errors,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="minilm", help="SERVE_MODEL (default: the built-in MiniLM)")
+    p.add_argument("--precisions", default="float32,int8")
+    p.add_argument("--rerank", type=int, default=0, help="documents per rerank request (a cross-encoder)")
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--seconds", type=float, default=20)
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--json", help="write the numbers here")
+    args = p.parse_args(argv)
+    precisions = args.precisions.split(",")
+    if precisions[0] != "float32":
+        precisions.insert(0, "float32")
+    texts = corpus()
+    from service.models import precision as prec
+
+    if args.rerank:
+        items, group = rerank_pairs(texts, args.rerank)
+        task, path = "rerank", "/rerank/batched"
+        bodies = [
+            json.dumps({"query": items[i][0], "documents": [d for _, d in items[i : i + group]]}).encode()
+            for i in range(0, len(items), group)
+        ]
+        unit = "pairs"
+    else:
+        items, group, task, path = texts, 1, "embeddings", "/predict/batched"
+        bodies = [json.dumps({"inputs": [text]}).encode() for text in texts]
+        unit = "texts"
+    rows: dict[str, dict[str, Any]] = {}
+    reference = None
+    for precision in precisions:
+        measured = offline(args.model, precision, items, group)
+        if reference is None:
+            reference = measured["outputs"]
+        figures = prec.compare(task, reference, measured["outputs"], group) if precision != "float32" else {}
+        rows[precision] = {
+            "offline": measured["items_per_s"],
+            "outcome": measured["outcome"],
+            "corpus_exactness": figures,
+            "route": [],
+        }
+        print(f"{precision}: offline {measured['items_per_s']:.0f} {unit}/s, {figures}", flush=True)
+    for _ in range(args.repeat):
+        for precision in precisions:
+            result = route(args.model, precision, bodies, path, args.clients, args.seconds)
+            result["items_per_s"] = result["requests_per_s"] * (group if args.rerank else 1)
+            rows[precision]["route"].append(result)
+            print(f"{precision}: route {result}", flush=True)
+    base_offline = rows["float32"]["offline"]
+    base_route = statistics.median(r["items_per_s"] for r in rows["float32"]["route"])
+    print(
+        f"\n| precision | in use | offline {unit}/s | vs float32 | batched route {unit}/s at {args.clients} "
+        "clients (median) | vs float32 | p50 ms | exactness on the corpus |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    for precision, row in rows.items():
+        speed = statistics.median(r["items_per_s"] for r in row["route"])
+        p50 = statistics.median(r["p50_ms"] for r in row["route"])
+        figures = ", ".join(f"{k} {v:.3f}" for k, v in row["corpus_exactness"].items()) or "float32 itself"
+        print(
+            f"| {precision} | {row['outcome']['in_use']} | {row['offline']:.0f} | "
+            f"{row['offline'] / base_offline:.2f}x | {speed:.0f} | {speed / base_route:.2f}x | {p50:.0f} | "
+            f"{figures} |"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,496 @@
+"""The arithmetic a model's network runs in, and what it costs in exactness against float32.
+
+``SERVE_PRECISION`` asks for one; ``resolve`` (pure) settles what this device
+and this model allow, or refuses with the reason. Only the network's body runs
+reduced: every kind casts its network's output to float32 before pooling,
+normalising, softmax or sigmoid, so the scores are computed in float32 whatever
+the precision.
+
+A reduced network is never trusted blindly. ``settle`` runs the fixed sample
+items this module ships (service/models/exactness_texts.txt) through float32
+and through the reduced network, measures how far apart they are (``compare``,
+pure) and keeps the reduced network only above the floor (``shortfall``,
+pure); below it, or on a non-finite output, the model stays in float32 and the
+log says why. For int8 it also chooses which Linear layers to quantize: the
+choice moves MiniLM's embeddings from a median cosine of 0.94 to 0.99, so the
+layers whose quantization alone moves the outputs most stay in float32, as few
+as the floor allows (docs/models.md, "Precision").
+
+int8 is torch's own dynamic quantization (``quantize_dynamic``, one scale per
+output channel, fbgemm's x86 kernels). torchao's int8 runs about five times
+slower than float32 on a CPU unless the model is compiled (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import statistics
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from service.errors import SettingsError
+from service.models.base import CLASSIFICATION, EMBEDDINGS, FILL_MASK, RERANK
+
+AUTO, FLOAT32, FLOAT16, BFLOAT16, INT8 = "auto", "float32", "float16", "bfloat16", "int8"
+PRECISIONS = (AUTO, FLOAT32, FLOAT16, BFLOAT16, INT8)
+# The tasks whose networks run reduced on a GPU by default, as TEI and Infinity serve them.
+TEXT_TASKS = (EMBEDDINGS, RERANK, CLASSIFICATION, FILL_MASK)
+# A CPU's native bfloat16: without one of these, torch emulates it, tens of times slower.
+BFLOAT16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@runtime_checkable
+class Reducible(Protocol):
+    """A model whose network can run in another precision: its module, and a way to swap it.
+
+    ``use_network`` installs a module in place of the network (a reduced copy,
+    or the float32 original back) and must leave the model answering with it.
+    """
+
+    def network(self) -> Any: ...
+
+    def use_network(self, module: Any) -> None: ...
+
+
+@dataclass(frozen=True)
+class Floor:
+    """How close a reduced network must stay to float32 to be kept (docs/settings.md)."""
+
+    min_cosine: float = 0.95
+    median_cosine: float = 0.98
+    top1_agreement: float = 0.95
+    max_score_diff: float = 0.1
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The precision a model runs in, and how it came to: /info's "precision" and the start log."""
+
+    requested: str
+    precision: str
+    # How far the precision in use is from float32 on the sample items; empty for float32 itself.
+    exactness: dict[str, float] = field(default_factory=dict)
+    # int8: the Linear layers quantized, and those left in float32 to stay above the floor.
+    quantized: tuple[str, ...] = ()
+    kept_float32: tuple[str, ...] = ()
+    # Why a reduced precision was asked for (or chosen) and float32 is in use instead.
+    fallback: str | None = None
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"requested": self.requested, "in_use": self.precision}
+        if self.exactness:
+            out["exactness"] = {name: round(value, 6) for name, value in self.exactness.items()}
+        if self.quantized:
+            out["quantized_layers"] = len(self.quantized)
+            out["float32_layers"] = list(self.kept_float32)
+        if self.fallback is not None:
+            out["fallback"] = self.fallback
+        return out
+
+    def summary(self) -> str:
+        """One line for the start log."""
+        figures = ", ".join(f"{name} {value:.4f}" for name, value in self.exactness.items())
+        line = f"precision {self.precision} (asked: {self.requested})"
+        if figures:
+            line += f"; against float32 on the sample items: {figures}"
+        if self.quantized:
+            kept = ", ".join(self.kept_float32) or "none"
+            line += f"; {len(self.quantized)} Linear layers in int8, left in float32: {kept}"
+        if self.fallback is not None:
+            line += f"; {self.fallback}"
+        return line
+
+
+def resolve(
+    requested: str, *, device: str, task: str, reducible: bool, cpu_flags: frozenset[str], name: str
+) -> str:
+    """The precision to run ``requested`` in on ``device``, or a SettingsError that names the reason."""
+    cuda = device.startswith("cuda")
+    if requested == AUTO:
+        # float16 is what the peers serve text encoders in on a GPU; CPUs gain
+        # nothing from it, and int8 moves outputs enough to be asked for.
+        return FLOAT16 if cuda and reducible and task in TEXT_TASKS else FLOAT32
+    if requested == FLOAT32:
+        return FLOAT32
+    prefix = f"SERVE_PRECISION={requested}"
+    if not reducible:
+        raise SettingsError(
+            f"{prefix}: model {name!r} runs in float32 only: its network is a program (TorchScript or "
+            "torch.export), a file or a factory's module that the service cannot convert; export it in "
+            "the precision you want, or set SERVE_PRECISION=float32"
+        )
+    if requested == INT8 and cuda:
+        raise SettingsError(
+            f"{prefix} is not served on {device}: int8 here is torch's dynamic quantization, whose "
+            "kernels run on CPUs only; on a GPU use float16 or bfloat16"
+        )
+    if requested == FLOAT16 and not cuda:
+        raise SettingsError(
+            f"{prefix} is not served on a CPU: CPUs have no float16 matrix arithmetic torch uses, so "
+            "it runs slower than float32; on a CPU use int8 (or bfloat16 where the processor has "
+            "avx512_bf16 or amx_bf16)"
+        )
+    if requested == BFLOAT16 and not cuda and not cpu_flags & set(BFLOAT16_FLAGS):
+        raise SettingsError(
+            f"{prefix} needs a processor with native bfloat16 ({' or '.join(BFLOAT16_FLAGS)} among "
+            "its flags in /proc/cpuinfo); this one has neither, and without them bfloat16 runs tens "
+            "of times slower than float32; use int8 on this CPU"
+        )
+    return requested
+
+
+def check_device(requested: str, device: str) -> None:
+    """Refuse (SettingsError) what ``device`` cannot run whatever the model: for the master, at start."""
+    resolve(requested, device=device, task=EMBEDDINGS, reducible=True, cpu_flags=cpu_flags(), name="")
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The processor's feature flags (empty where /proc/cpuinfo cannot be read)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+# -- exactness: pure -----------------------------------------------------------------
+
+
+def compare(task: str, reference: Any, reduced: Any, group: int = 1) -> dict[str, float]:
+    """How far ``reduced`` outputs are from float32's ``reference``, in the task's own terms.
+
+    Embeddings: the smallest and median cosine. Rerank: the largest score
+    difference, and how often the top document of each query (``group``
+    consecutive pairs) is the same. Classification: the largest difference in
+    a label's score and how often the top label is the same. Fill-mask: how
+    often the top proposition is the same token string.
+    """
+    if task == EMBEDDINGS:
+        ref, red = np.asarray(reference, dtype=np.float64), np.asarray(reduced, dtype=np.float64)
+        norms = np.linalg.norm(ref, axis=1) * np.linalg.norm(red, axis=1)
+        cosines = (ref * red).sum(axis=1) / np.maximum(norms, 1e-12)
+        return {"min_cosine": float(cosines.min()), "median_cosine": float(np.median(cosines))}
+    if task == RERANK:
+        ref, red = np.asarray(reference, dtype=np.float64), np.asarray(reduced, dtype=np.float64)
+        queries = len(ref) // group
+        agree = [
+            bool(np.argmax(ref[q * group : (q + 1) * group]) == np.argmax(red[q * group : (q + 1) * group]))
+            for q in range(queries)
+        ]
+        return {"max_score_diff": float(np.abs(ref - red).max()), "top1_agreement": statistics.fmean(agree)}
+    if task == CLASSIFICATION:
+        diffs: list[float] = []
+        tops: list[bool] = []
+        for ref_labels, red_labels in zip(reference, reduced, strict=True):
+            red_scores = {entry["label"]: entry["score"] for entry in red_labels}
+            diffs.extend(abs(entry["score"] - red_scores[entry["label"]]) for entry in ref_labels)
+            tops.append(ref_labels[0]["label"] == red_labels[0]["label"])
+        return {"max_score_diff": max(diffs), "top1_agreement": statistics.fmean(tops)}
+    if task == FILL_MASK:
+        tops = [_first_fill(ref) == _first_fill(red) for ref, red in zip(reference, reduced, strict=True)]
+        return {"top1_agreement": statistics.fmean(tops)}
+    raise ValueError(f"no exactness measure for task {task!r}")
+
+
+def _first_fill(output: Any) -> Any:
+    """The top proposition's token (of the first mask, for an item with several)."""
+    first = output[0]
+    return (first[0] if isinstance(first, list) else first)["token_str"]
+
+
+# The sample texts are a hundred sentences; over a corpus of thousands the
+# smallest cosine reaches further into the tail (all-MiniLM-L6-v2 in int8: 0.964
+# on the samples, 0.944 on 1,583 sentences). So the samples' smallest cosine
+# must keep this share of the floor's distance from 1 in reserve: 0.985 for 0.95.
+TAIL_RESERVE = 0.7
+
+
+def on_samples(floor: Floor) -> Floor:
+    """The floor the sample items must meet for the model to meet ``floor`` on what clients send."""
+    return dataclasses.replace(floor, min_cosine=1 - (1 - floor.min_cosine) * (1 - TAIL_RESERVE))
+
+
+def shortfall(figures: dict[str, float], floor: Floor) -> str | None:
+    """Why ``figures`` fall below ``floor`` (naming the setting), or None if they do not."""
+    limits = (
+        ("min_cosine", floor.min_cosine, "SERVE_PRECISION_MIN_COSINE", True),
+        ("median_cosine", floor.median_cosine, "SERVE_PRECISION_MEDIAN_COSINE", True),
+        ("top1_agreement", floor.top1_agreement, "SERVE_PRECISION_MIN_TOP1", True),
+        ("max_score_diff", floor.max_score_diff, "SERVE_PRECISION_MAX_SCORE_DIFF", False),
+    )
+    for name, limit, setting, at_least in limits:
+        value = figures.get(name)
+        if value is None:
+            continue
+        if not math.isfinite(value):
+            return f"{name} is {value}: the reduced network's outputs are not finite"
+        if (value < limit) if at_least else (value > limit):
+            relation = "under" if at_least else "over"
+            return f"{name} {value:.4f} is {relation} the floor {limit:g} ({setting})"
+    return None
+
+
+def finite(outputs: Any) -> bool:
+    """Whether every number in ``outputs`` (an array, or lists of dicts of scores) is finite."""
+    if isinstance(outputs, np.ndarray):
+        return bool(np.isfinite(outputs).all())
+    if isinstance(outputs, dict):
+        return all(finite(value) for value in outputs.values())
+    if isinstance(outputs, (list, tuple)):
+        return all(finite(value) for value in outputs)
+    if isinstance(outputs, float):
+        return math.isfinite(outputs)
+    return True
+
+
+# -- the samples -----------------------------------------------------------------------
+
+SAMPLE_TEXTS_FILE = Path(__file__).with_name("exactness_texts.txt")
+# Documents per rerank query in the samples: one that the query was cut from, and others.
+RERANK_GROUP = 8
+
+
+def sample_items(task: str) -> tuple[list[Any], int]:
+    """The items the check runs for ``task``, and the group size ``compare`` reads them by.
+
+    Real sentences of mixed length (22 to 700 characters). A rerank query is
+    the opening words of one sentence, against it and seven others; a fill-mask
+    item masks a word in the middle of a sentence.
+    """
+    texts = [line for line in SAMPLE_TEXTS_FILE.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if task == RERANK:
+        pairs: list[list[str]] = []
+        for q in range(len(texts) // RERANK_GROUP):
+            query = " ".join(texts[q * RERANK_GROUP].split()[:6])
+            documents = texts[q * RERANK_GROUP : (q + 1) * RERANK_GROUP]
+            # The matching document first for half the queries, last for the others.
+            documents = documents if q % 2 == 0 else documents[1:] + documents[:1]
+            pairs.extend([query, document] for document in documents)
+        return pairs, RERANK_GROUP
+    if task == FILL_MASK:
+        masked = []
+        for text in texts:
+            words = text.split()
+            words[len(words) // 2] = "[MASK]"
+            masked.append(" ".join(words))
+        return masked, 1
+    return texts, 1
+
+
+# -- reducing a network: torch ---------------------------------------------------------------
+
+
+def reduced(network: Any, precision: str, layers: Sequence[str] = ()) -> Any:
+    """A copy of ``network`` in ``precision`` (int8: ``layers``, by name, quantized)."""
+    import torch
+
+    module = copy.deepcopy(network)
+    if precision in (FLOAT16, BFLOAT16):
+        module.to(getattr(torch, precision))
+        # The body runs reduced; what comes out of it, float32 (see the module's docstring).
+        module.register_forward_hook(_outputs_to_float32)
+        return module
+    if precision == INT8:
+        return quantize(module, layers)
+    raise ValueError(f"no reduced network for precision {precision!r}")
+
+
+def quantize(module: Any, layers: Sequence[str]) -> Any:
+    """``module`` with the Linear layers named in ``layers`` quantized to int8, in place."""
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    with warnings.catch_warnings():
+        # torch.ao.quantization warns that it moves to torchao, whose CPU int8
+        # is slower than float32 uncompiled; its own kernels are what serve here.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+        return quantize_dynamic(  # type: ignore[no-untyped-call]
+            module, dict.fromkeys(layers, per_channel_dynamic_qconfig), inplace=True
+        )
+
+
+def linear_layers(network: Any) -> list[str]:
+    import torch
+
+    return [name for name, child in network.named_modules() if isinstance(child, torch.nn.Linear)]
+
+
+def _outputs_to_float32(module: Any, inputs: Any, output: Any) -> Any:
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return output.float() if output.is_floating_point() else output
+    if isinstance(output, dict):  # transformers' ModelOutput is one
+        for key, value in list(output.items()):
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                output[key] = value.float()
+        return output
+    if isinstance(output, tuple):
+        return tuple(_outputs_to_float32(module, inputs, value) for value in output)
+    return output
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What a check settled, so that other workers can apply it without checking again."""
+
+    precision: str
+    layers: tuple[str, ...] = ()
+    exactness: dict[str, float] = field(default_factory=dict)
+    kept_float32: tuple[str, ...] = ()
+    fallback: str | None = None
+
+
+def check(
+    model: Any,
+    task: str,
+    precision: str,
+    floor: Floor,
+    run: Callable[[list[Any]], Any] | None = None,
+) -> Choice:
+    """Try ``precision`` on ``model`` (a Reducible) against float32; the model is left as chosen.
+
+    ``run`` predicts prepared items (the model's own predict by default). The
+    float32 network is dropped once a reduced one is kept: no worker holds both.
+    """
+    run = run or (lambda batch: _in_chunks(model, batch))
+    floor = on_samples(floor)
+    raw, group = sample_items(task)
+    items = [model.prepare(item) for item in raw]
+    reference = run(items)
+    original = model.network()
+
+    def measured(candidate: Any) -> tuple[dict[str, float], str | None]:
+        model.use_network(candidate)
+        try:
+            outputs = run(items)
+        except Exception as exc:  # a network that cannot run reduced falls back, with the reason
+            return {}, f"the {precision} network failed on the sample items: {type(exc).__name__}: {exc}"
+        if not finite(outputs):
+            return {}, f"the {precision} network's outputs are not finite"
+        figures = compare(task, reference, outputs, group)
+        return figures, shortfall(figures, floor)
+
+    if precision != INT8:
+        figures, why = measured(reduced(original, precision))
+        if why is None:
+            return Choice(precision, exactness=figures)
+        model.use_network(original)
+        return Choice(FLOAT32, fallback=f"{precision} falls back to float32: {why}")
+
+    every = linear_layers(original)
+    figures, why = measured(reduced(original, INT8, every))
+    if why is None:
+        return Choice(INT8, tuple(every), figures)
+    few = items[: 4 * max(group, 8)]
+
+    def moved(layers: list[str], base: list[str]) -> float:
+        """How far quantizing ``layers`` on top of ``base`` moves the outputs on a few items."""
+        model.use_network(reduced(original, INT8, base + layers))
+        return _distance(task, compare(task, reference_few, run(few), group))
+
+    model.use_network(original)
+    reference_few = run(few)
+    # Layers of one role in every block (the feed-forward output, say) move the
+    # outputs alike: order the roles by how far each moves them alone, keep the
+    # longest run of roles that stays above the floor, then within the next
+    # role, its layers one by one, least moving first. About 20 checks for a
+    # BERT-like network, where every layer alone would take 6 a block.
+    roles = _roles(every)
+    by_role = sorted(roles, key=lambda role: moved(roles[role], []))
+    count, figures = _longest_passing(
+        len(by_role), lambda n: measured(reduced(original, INT8, _flat(roles, by_role[:n]))), figures
+    )
+    chosen = _flat(roles, by_role[:count])
+    if count < len(by_role):
+        next_role = roles[by_role[count]]
+        by_layer = sorted(next_role, key=lambda name: moved([name], chosen))
+        extra, extra_figures = _longest_passing(
+            len(by_layer), lambda n: measured(reduced(original, INT8, chosen + by_layer[:n])), {}
+        )
+        if extra:
+            chosen, figures = chosen + by_layer[:extra], extra_figures
+    if not chosen:
+        model.use_network(original)
+        why = f"int8 falls back to float32: no role of Linear layers stays above the floor in int8 ({why})"
+        return Choice(FLOAT32, fallback=why)
+    model.use_network(reduced(original, INT8, chosen))
+    kept = tuple(name for name in every if name not in set(chosen))
+    return Choice(INT8, tuple(name for name in every if name in set(chosen)), figures, kept)
+
+
+def _longest_passing(
+    total: int, measure: Callable[[int], tuple[dict[str, float], str | None]], figures: dict[str, float]
+) -> tuple[int, dict[str, float]]:
+    """The largest n below ``total`` whose measure passes, by bisection, and its figures (0 if none).
+
+    Quantizing more layers moves the outputs further, near enough monotonically.
+    """
+    best, low, high = 0, 1, total - 1
+    while low <= high:
+        middle = (low + high) // 2
+        measured_figures, why = measure(middle)
+        if why is None:
+            best, figures, low = middle, measured_figures, middle + 1
+        else:
+            high = middle - 1
+    return best, figures
+
+
+def _in_chunks(model: Any, items: list[Any], rows: int = 16) -> Any:
+    """``model.predict`` on ``items``, a few of similar length at a time, as the batcher runs them.
+
+    One call on every sample would pad each to the longest (700 characters),
+    several times the work; the order of the outputs is the items' own.
+    """
+    size = getattr(model, "item_size", None)
+    order = sorted(range(len(items)), key=lambda i: size(items[i]) if callable(size) else 0)
+    outputs: list[Any] = [None] * len(items)
+    for start in range(0, len(order), rows):
+        chunk = order[start : start + rows]
+        for index, output in zip(chunk, model.predict([items[i] for i in chunk]), strict=True):
+            outputs[index] = output
+    if all(isinstance(output, np.ndarray) for output in outputs):
+        return np.stack(outputs)
+    return outputs
+
+
+def _roles(layers: list[str]) -> dict[str, list[str]]:
+    """Linear layers by role: their names with the block's number taken out, in network order."""
+    roles: dict[str, list[str]] = {}
+    for name in layers:
+        role = ".".join("#" if part.isdigit() else part for part in name.split("."))
+        roles.setdefault(role, []).append(name)
+    return roles
+
+
+def _flat(roles: dict[str, list[str]], names: list[str]) -> list[str]:
+    return [layer for role in names for layer in roles[role]]
+
+
+def _distance(task: str, figures: dict[str, float]) -> float:
+    """One number for how far a network moved: 0 is float32's outputs exactly."""
+    if task == EMBEDDINGS:
+        return 1 - figures["min_cosine"]
+    if "max_score_diff" in figures:
+        return figures["max_score_diff"] + (1 - figures["top1_agreement"])
+    return 1 - figures["top1_agreement"]
+
+
+def apply(model: Any, choice: Choice) -> None:
+    """Put ``model`` in the precision another worker's check chose, without checking again."""
+    if choice.precision == FLOAT32:
+        return
+    original = model.network()
+    model.use_network(reduced(original, choice.precision, choice.layers))

@@ -1,0 +1,200 @@
+"""SERVE_PRECISION: what each device refuses, how exactness is measured, and the check on small models.
+
+The checks run on CPU with tiny models of every text kind. float16 is checked
+here too, on a CPU, through the same code a GPU runs (``precision.check``
+called directly: on a CPU the service itself refuses float16): that proves the
+conversion and the float32 outputs, not the speed, which only a GPU measures
+(scripts/bench/gpu_check.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from service.errors import SettingsError
+from service.models import load_model
+from service.models import precision as p
+from service.models.precision_cache import settle
+from service.settings import Settings
+
+LENIENT = p.Floor(min_cosine=-1, median_cosine=-1, top1_agreement=0, max_score_diff=1e9)
+NONE_PASSES = p.Floor(min_cosine=1.01, median_cosine=1.01, top1_agreement=1.01, max_score_diff=-1)
+
+
+def resolve(requested: str, device: str = "cpu", *, task: str = "embeddings", **kwargs: object) -> str:
+    options: dict[str, object] = {"reducible": True, "cpu_flags": frozenset(), "name": "m"} | kwargs
+    return p.resolve(requested, device=device, task=task, **options)  # type: ignore[arg-type]
+
+
+def test_auto_is_float16_for_text_models_on_a_gpu_and_float32_elsewhere() -> None:
+    for task in p.TEXT_TASKS:
+        assert resolve("auto", "cuda:0", task=task) == "float16"
+        assert resolve("auto", "cpu", task=task) == "float32"
+    assert resolve("auto", "cuda:0", task="generic") == "float32"
+    assert resolve("auto", "cuda:0", reducible=False) == "float32"
+
+
+@pytest.mark.parametrize(
+    ("requested", "device", "flags", "reason"),
+    [
+        ("float16", "cpu", frozenset(), "not served on a CPU"),
+        ("bfloat16", "cpu", frozenset({"avx2"}), "avx512_bf16 or amx_bf16"),
+        ("int8", "cuda:0", frozenset(), "kernels run on CPUs only"),
+    ],
+)
+def test_each_refusal_names_its_reason(
+    requested: str, device: str, flags: frozenset[str], reason: str
+) -> None:
+    with pytest.raises(SettingsError, match=reason) as caught:
+        resolve(requested, device, cpu_flags=flags)
+    assert f"SERVE_PRECISION={requested}" in str(caught.value)
+
+
+def test_bfloat16_on_a_cpu_with_native_bfloat16_and_on_a_gpu() -> None:
+    assert resolve("bfloat16", "cpu", cpu_flags=frozenset({"avx512_bf16"})) == "bfloat16"
+    assert resolve("bfloat16", "cpu", cpu_flags=frozenset({"amx_bf16"})) == "bfloat16"
+    assert resolve("bfloat16", "cuda:1") == "bfloat16"
+    assert resolve("float16", "cuda:1") == "float16"
+
+
+def test_a_program_or_factory_runs_in_float32_only() -> None:
+    with pytest.raises(SettingsError, match="float32 only"):
+        resolve("int8", reducible=False)
+    assert resolve("float32", reducible=False) == "float32"
+
+
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path: Path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 amx_bf16\n")
+    assert p.cpu_flags(info) == {"fpu", "avx2", "amx_bf16"}
+    assert p.cpu_flags(tmp_path / "missing") == frozenset()
+
+
+def test_settings_take_only_known_precisions() -> None:
+    assert Settings.from_env({"SERVE_PRECISION": "INT8"}).precision == "int8"
+    with pytest.raises(SettingsError, match="SERVE_PRECISION"):
+        Settings.from_env({"SERVE_PRECISION": "fp8"})
+
+
+# -- exactness, pure ------------------------------------------------------------------------
+
+
+def test_embeddings_compare_by_cosine() -> None:
+    reference = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    reduced = np.array([[1.0, 0.0], [0.1, 1.0], [1.0, 0.0]])
+    figures = p.compare("embeddings", reference, reduced)
+    assert figures["min_cosine"] == pytest.approx(np.sqrt(0.5))
+    assert figures["median_cosine"] == pytest.approx(1 / np.sqrt(1.01))
+
+
+def test_rerank_compares_each_querys_top_document_and_the_scores() -> None:
+    reference = np.array([0.9, 0.1, 0.2, 0.8])  # two queries of two documents
+    reduced = np.array([0.85, 0.2, 0.7, 0.6])  # the second query's top changed
+    figures = p.compare("rerank", reference, reduced, group=2)
+    assert figures == {"max_score_diff": pytest.approx(0.5), "top1_agreement": 0.5}
+
+
+def test_classification_compares_labels_by_name() -> None:
+    reference = [[{"label": "a", "score": 0.7}, {"label": "b", "score": 0.3}]]
+    reduced = [[{"label": "b", "score": 0.55}, {"label": "a", "score": 0.45}]]
+    figures = p.compare("classification", reference, reduced)
+    assert figures == {"max_score_diff": pytest.approx(0.25), "top1_agreement": 0.0}
+
+
+def test_fill_mask_compares_the_top_token() -> None:
+    one = [{"token_str": "cat", "score": 0.5}, {"token_str": "dog", "score": 0.4}]
+    other = [{"token_str": "dog", "score": 0.5}, {"token_str": "cat", "score": 0.4}]
+    assert p.compare("fill-mask", [one, [one, other]], [one, [other, one]]) == {"top1_agreement": 0.5}
+
+
+def test_shortfall_names_the_figure_and_its_setting() -> None:
+    floor = p.Floor()
+    assert p.shortfall({"min_cosine": 0.97, "median_cosine": 0.99}, floor) is None
+    why = p.shortfall({"min_cosine": 0.90, "median_cosine": 0.99}, floor)
+    assert why is not None and "min_cosine 0.9000" in why and "SERVE_PRECISION_MIN_COSINE" in why
+    why = p.shortfall({"max_score_diff": 0.3, "top1_agreement": 1.0}, floor)
+    assert why is not None and "SERVE_PRECISION_MAX_SCORE_DIFF" in why
+    assert "not finite" in (p.shortfall({"min_cosine": float("nan")}, floor) or "")
+
+
+def test_finite_looks_inside_outputs() -> None:
+    assert p.finite(np.ones(3)) and p.finite([[{"score": 0.5}]])
+    assert not p.finite(np.array([1.0, np.inf])) and not p.finite([[{"score": float("nan")}]])
+
+
+# -- the check, on tiny models of each kind -------------------------------------------------------
+
+
+def loaded(path: Path) -> object:
+    return load_model(Settings(model=str(path)), "cpu")
+
+
+@pytest.mark.parametrize("task", ["rerank", "classification", "fill-mask"])
+def test_int8_quantizes_every_linear_layer_above_a_lenient_floor(
+    model_dirs: dict[str, Path], task: str
+) -> None:
+    model = loaded(model_dirs[task])
+    every = p.linear_layers(model.network())  # type: ignore[attr-defined]
+    choice = p.check(model, task, "int8", LENIENT)
+    assert choice.precision == "int8" and choice.layers == tuple(every) and not choice.kept_float32
+    network = model.network()  # type: ignore[attr-defined]
+    assert not p.linear_layers(network), "every Linear layer is now a quantized one"
+    items = [model.prepare(item) for item in p.sample_items(task)[0][:4]]  # type: ignore[attr-defined]
+    assert len(model.predict(items)) == 4  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("task", ["rerank", "classification"])
+def test_a_precision_under_the_floor_falls_back_to_float32_with_the_reason(
+    model_dirs: dict[str, Path], task: str
+) -> None:
+    model = loaded(model_dirs[task])
+    original = model.network()  # type: ignore[attr-defined]
+    choice = p.check(model, task, "int8", NONE_PASSES)
+    assert choice.precision == "float32"
+    assert choice.fallback is not None and "falls back to float32" in choice.fallback
+    assert model.network() is original  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("task", ["rerank", "classification", "fill-mask"])
+def test_float16_runs_the_body_reduced_and_answers_in_float32(model_dirs: dict[str, Path], task: str) -> None:
+    import torch
+
+    model = loaded(model_dirs[task])
+    choice = p.check(model, task, "float16", LENIENT)
+    assert choice.precision == "float16", choice.fallback
+    assert next(model.network().parameters()).dtype == torch.float16  # type: ignore[attr-defined]
+    assert set(choice.exactness) and all(np.isfinite(list(choice.exactness.values())))
+
+
+def test_int8_on_real_embeddings_keeps_the_sensitive_layers_in_float32(model_dirs: dict[str, Path]) -> None:
+    """all-MiniLM-L6-v2 with every Linear layer in int8 is under the default floor: some stay float32."""
+    model = loaded(model_dirs["embeddings"])
+    outcome = settle(
+        model, "embeddings", Settings(model=str(model_dirs["embeddings"]), precision="int8"), "cpu"
+    )
+    assert outcome.precision == "int8", outcome.fallback
+    assert outcome.kept_float32, "the default floor keeps some layers in float32 on this model"
+    assert outcome.exactness["min_cosine"] >= 0.95 and outcome.exactness["median_cosine"] >= 0.98
+    described = outcome.describe()
+    assert described["in_use"] == "int8" and described["float32_layers"] == list(outcome.kept_float32)
+
+
+def test_workers_sharing_a_run_dir_check_once(
+    model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = Settings(model=str(model_dirs["classification"]), precision="int8", run_dir=str(tmp_path))
+    settings = settings.replace(precision_min_top1=0.0, precision_max_score_diff=1e9)
+    first = settle(loaded(model_dirs["classification"]), "classification", settings, "cpu")
+    assert len(list(tmp_path.glob("precision-*.json"))) == 1
+    second_model = loaded(model_dirs["classification"])
+
+    def checked_again(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a second worker checked again")
+
+    monkeypatch.setattr(p, "check", checked_again)
+    second = settle(second_model, "classification", settings, "cpu")
+    assert second == first
+    assert not p.linear_layers(second_model.network())  # type: ignore[attr-defined]
