@@ -81,7 +81,12 @@ def offline(model_spec: str, precision: str, items: list[Any], group: int) -> di
     for start in range(0, len(order), 32):
         model.predict([prepared[i] for i in order[start : start + 32]])
     seconds = time.perf_counter() - began
-    return {"outcome": outcome.describe(), "outputs": outputs, "items_per_s": len(prepared) / seconds}
+    return {
+        "outcome": outcome.describe(),
+        "outputs": outputs,
+        "items_per_s": len(prepared) / seconds,
+        "task": task_of(model),
+    }
 
 
 def route(

@@ -5,6 +5,7 @@
     .venv/bin/python scripts/deploy/tune.py --model mlp --max-batch 128 --seconds 2
     .venv/bin/python scripts/deploy/tune.py \
         --corpus scripts/fixtures/corpus/mixed.txt   # also SERVE_MAX_BATCH_TOKENS
+    .venv/bin/python scripts/deploy/tune.py --precision   # also SERVE_PRECISION
 
 For every workers x torch-threads split that fits the usable cores it runs full batches of
 1, 2, 4, ... up to --max-batch in every worker process at once, with no HTTP, and reports
@@ -17,6 +18,11 @@ of SERVE_MAX_BATCH_SIZE texts, sorted by length and cut by the batcher's cost mo
 token budgets from 256 up, on the best split, and recommends the smallest SERVE_MAX_BATCH_TOKENS
 that reaches 95% of the best throughput: a smaller budget bounds each call's activation memory,
 and on a GPU that is what each worker's memory share must hold (see docs/topology.md).
+
+With --precision (a text model) it loads the model in each precision this machine allows, settles
+it as a worker does (the exactness check, and for int8 the choice of layers), and measures
+texts/s and exactness against float32 on the corpus (the project's own without --corpus); it
+recommends the fastest precision the check kept that runs at least 1.1x float32.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from scripts.bench.offline import Measurement, OfflineError, Split, Strategy, measure, splits_for
+from service.errors import SettingsError
 from service.settings import Settings
 from service.topology.inventory import read_inventory
 
@@ -42,6 +49,11 @@ def main() -> None:
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--seconds", type=float, default=3, help="measured seconds per batch size")
     p.add_argument("--corpus", help="a text file, one text per line: also recommend SERVE_MAX_BATCH_TOKENS")
+    p.add_argument(
+        "--precision",
+        action="store_true",
+        help="also measure each precision this machine allows against float32, and recommend one",
+    )
     args = p.parse_args()
     env = dict(os.environ)
     if args.model:
@@ -79,6 +91,51 @@ def main() -> None:
         # Windows as large as the service gathers under load (SERVE_MAX_BATCH_SIZE), not the
         # recommended size, which was measured on one repeated sample item.
         token_budget(settings, split, args.corpus, args.seconds)
+    if args.precision:
+        precision(settings, args.corpus)
+
+
+# A reduced precision must pay this much over float32 offline to be worth its cost in exactness.
+WORTH_IT = 1.1
+
+
+def precision(settings: Settings, corpus_path: str | None) -> None:
+    """Each precision this machine allows, checked as the service checks it, against float32 on the corpus."""
+    from scripts.bench.precision import CORPUS, offline
+    from service.models.precision import PRECISIONS, check_device, compare
+
+    texts = [line.strip() for line in Path(corpus_path or CORPUS).read_text().splitlines() if line.strip()]
+    device = "cuda:0" if read_inventory().gpus else "cpu"
+    allowed = []
+    for name in PRECISIONS[1:]:
+        try:
+            check_device(name, device)
+        except SettingsError as exc:
+            print(f"  {name}: not on this machine: {exc}")
+            continue
+        allowed.append(name)
+    print(f"\nprecisions on {device}, over {len(texts)} texts:\n")
+    print("| precision | in use | texts/s | vs float32 | exactness on the texts | check at start |")
+    print("| --- | --- | ---: | ---: | --- | --- |")
+    reference = base = None
+    best, best_speed = "float32", 1.0
+    for name in allowed:
+        found = offline(settings.model, name, texts, 1)
+        base = base or found["items_per_s"]
+        reference = reference if reference is not None else found["outputs"]
+        task = found["task"]
+        figures = compare(task, reference, found["outputs"]) if name != "float32" else {}
+        shown = ", ".join(f"{k} {v:.3f}" for k, v in figures.items()) or "-"
+        outcome = found["outcome"]
+        speed = found["items_per_s"] / base
+        print(
+            f"| {name} | {outcome['in_use']} | {found['items_per_s']:.0f} | {speed:.2f}x | {shown} | "
+            f"{outcome.get('fallback') or outcome.get('exactness') or '-'} |",
+            flush=True,
+        )
+        if outcome["in_use"] == name != "float32" and speed >= WORTH_IT * best_speed:
+            best, best_speed = name, speed
+    print(f"\n  SERVE_PRECISION={best}    # {best_speed:.2f}x float32 offline, above the exactness floor")
 
 
 def token_budget(settings: Settings, split: Split, corpus_path: str, seconds: float) -> None:

@@ -74,8 +74,13 @@ class MiniLMModel:
         return self._encoder
 
     def use_network(self, module: Any) -> None:
+        # Eager while the precision check tries networks (a trace takes a second
+        # each); traced again once one is settled.
         self._encoder = module
-        self._embed = self._trace(module)
+        self._embed = _Embedder(module).eval()
+
+    def network_settled(self) -> None:
+        self._embed = self._trace(self._encoder)
 
     def prepare(self, item: Any) -> Tokens:
         """Check and tokenize one text, in the request thread: the batch thread only pads."""
