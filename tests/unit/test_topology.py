@@ -348,3 +348,42 @@ def test_a_cpu_plan_has_no_gpu_share_to_check() -> None:
     p = env_plan(TWO_CORES, SERVE_TOKEN_MEMORY_KB="1000000", SERVE_MAX_BATCH_TOKENS="16777216")
     assert not [d for d in p.decisions if d.what == "batch token budget"]
     assert p.warnings == ()
+
+
+# -- weights at the precision in use (the GPUs here are fakes: nothing touches CUDA) -----------
+
+
+def test_a_gpu_plan_sizes_each_workers_weights_at_the_precision_in_use() -> None:
+    from service.model_spec import Weights
+
+    inventory = Inventory(affinity_cores=8, cpu_quota=None, gpus=(gpu(0, 8_192),))
+    text = Weights(mb=1_300, bytes_per_number=4, reducible=True)
+    decided = {d.what: d.value for d in plan(Settings(), inventory, text).decisions}
+    assert decided["weights per worker"] == "650 MiB at float16"  # auto: float16 for a text model
+    fp32 = plan(Settings(precision="float32"), inventory, text)
+    assert {d.what: d.value for d in fp32.decisions}["weights per worker"] == "1300 MiB at float32"
+    program = Weights(mb=1_300, bytes_per_number=4, reducible=False)
+    assert "1300 MiB at float32" in {d.value for d in plan(Settings(), inventory, program).decisions}
+
+
+def test_a_share_too_small_for_the_weights_is_warned_of() -> None:
+    from service.model_spec import Weights
+
+    inventory = Inventory(affinity_cores=8, cpu_quota=None, gpus=(gpu(0, 8_192),))
+    big = Weights(mb=12_000, bytes_per_number=4, reducible=True)
+    warned = plan(Settings(workers_per_device=2), inventory, big).warnings
+    assert any("cannot hold the model's 6000 MiB of weights at float16" in w for w in warned)
+    assert not plan(Settings(workers_per_device=2), inventory, Weights(100, 4, True)).warnings
+
+
+def test_the_weights_of_a_directory_are_read_from_its_files(model_dirs: dict[str, object]) -> None:
+    from pathlib import Path
+
+    from service.model_spec import weights
+
+    found = weights("minilm")
+    assert found is not None and found.reducible and 80 < found.mb < 100 and found.bytes_per_number == 4
+    rerank = weights(str(model_dirs["rerank"]))
+    expected = sum(f.stat().st_size for f in Path(str(model_dirs["rerank"])).glob("*.safetensors")) / 2**20
+    assert rerank is not None and rerank.mb == pytest.approx(expected)
+    assert weights("package.module:factory") is None
