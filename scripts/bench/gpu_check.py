@@ -15,7 +15,11 @@ In order, each step on the GPUs the inventory shows (``CUDA_VISIBLE_DEVICES`` na
    each worker in turn a naive request past its share, which must fail alone with the
    service's 503 while that worker and every other one keeps serving;
 4. the naive/batched sweep of scripts/bench/bench.py on the first GPU against the offline limit of
-   scripts/bench/offline.py on the same GPU, in the precision the model loads in.
+   scripts/bench/offline.py on the same GPU, in the precision the service settles (``SERVE_PRECISION``,
+   float16 for a text model by default);
+5. float16 against float32 on the first GPU, for a text model: texts/s on the project's corpus in
+   batches of 32 sorted by length, the weights' memory, and the exactness figures of the check the
+   service runs at start (scripts/bench/precision.py): float16 must be kept, faster and smaller.
 
 Exits 0 when every check passes, 1 when one fails, 2 when there is no GPU (one line says so)
 or the settings cannot be used.
@@ -353,7 +357,66 @@ def run_checks(
 
     sweep_text, sweep_checks = run_sweep(args, {**served, "CUDA_VISIBLE_DEVICES": first.uuid}, first)
     sections.append((f"Sweep on {first.name} ({first.uuid})", sweep_text))
-    return sections, checks + sweep_checks
+    with visible(first.uuid):
+        rows = _in_spawned_process(compare_precisions, settings.model)
+    sections.append((f"float16 against float32 on {first.name}", precision_table(rows)))
+    return sections, checks + sweep_checks + [judge_precision(rows)]
+
+
+def compare_precisions(model_spec: str) -> list[dict[str, Any]]:
+    """In a spawned process: float32, then float16, each loaded and settled on the GPU as a worker does."""
+    from scripts.bench.precision import corpus, offline
+    from service.models.precision import compare
+
+    texts = corpus()
+    rows: list[dict[str, Any]] = []
+    reference = None
+    for precision in ("float32", "float16"):
+        found = offline(model_spec, precision, texts, 1, device="cuda")
+        reference = reference if reference is not None else found["outputs"]
+        figures = compare(found["task"], reference, found["outputs"]) if precision != "float32" else {}
+        rows.append(
+            {
+                "precision": precision,
+                "in_use": found["outcome"]["in_use"],
+                "items_per_s": found["items_per_s"],
+                "weights_mb": found["weights_mb"],
+                "exactness": figures,
+                "check": found["outcome"].get("exactness") or found["outcome"].get("fallback") or {},
+            }
+        )
+        import torch
+
+        torch.cuda.empty_cache()
+    return rows
+
+
+def precision_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| precision | in use | texts/s | vs float32 | weights MiB | exactness on the corpus | at start |",
+        "| --- | --- | ---: | ---: | ---: | --- | --- |",
+    ]
+    base = rows[0]["items_per_s"]
+    for row in rows:
+        figures = ", ".join(f"{k} {v:.4f}" for k, v in row["exactness"].items()) or "-"
+        lines.append(
+            f"| {row['precision']} | {row['in_use']} | {row['items_per_s']:.0f} | "
+            f"{row['items_per_s'] / base:.2f}x | {row['weights_mb']:.0f} | {figures} | "
+            f"{row['check'] or '-'} |"
+        )
+    return "\n".join(lines)
+
+
+def judge_precision(rows: list[dict[str, Any]]) -> Check:
+    """float16 kept by the service's check, faster than float32 and holding less memory."""
+    full, half = rows[0], rows[1]
+    speed = half["items_per_s"] / full["items_per_s"]
+    detail = (
+        f"float16 {half['in_use']!r} in use, {speed:.2f}x float32's texts/s, "
+        f"{half['weights_mb']:.0f} against {full['weights_mb']:.0f} MiB of weights"
+    )
+    ok = half["in_use"] == "float16" and speed > 1 and half["weights_mb"] < full["weights_mb"]
+    return Check("float16 against float32", ok, detail)
 
 
 @contextlib.contextmanager
@@ -385,7 +448,14 @@ def measure_token_memory(model_spec: str) -> tuple[int, list[Sample], str]:
 
     if not torch.cuda.is_available():
         raise RuntimeError(f"torch {torch.__version__} sees no CUDA device; install a CUDA build of torch")
+    from service.models.base import task_of
+    from service.models.precision_cache import settle
+
     model = load_model(Settings(model=model_spec), "cuda")
+    # In the precision the workers settle (SERVE_PRECISION; float16 for a text model by default):
+    # activations in float16 take half the memory.
+    settings = Settings.from_env().replace(model=model_spec, run_dir=None)
+    settle(model, task_of(model), settings, "cuda")
     size = getattr(model, "item_size", None)
     if size is None or describe(model)["item_kind"] != "text":
         raise SettingsError(
@@ -588,9 +658,9 @@ def run_sweep(args: argparse.Namespace, env: dict[str, str], gpu: Gpu) -> tuple[
         "generator": generator,
     }
     text = (
-        f"{workers} workers on the GPU, fp32. Half precision is not swept: the service serves a model in "
-        "the precision it loads in, and no SERVE_* setting selects another.\n\n"
-        + markdown(report, rows, offline)
+        f"{workers} workers on the GPU, in the precision the service settled (SERVE_PRECISION="
+        f"{settings.precision}; a text model runs in float16 by default); the offline limit loads the model "
+        "as it is, in float32.\n\n" + markdown(report, rows, offline)
     )
     return text, [sweep_check(rows, offline["items_per_s"])]
 

@@ -57,7 +57,9 @@ def rerank_pairs(texts: list[str], documents: int) -> tuple[list[list[str]], int
     return pairs, documents
 
 
-def offline(model_spec: str, precision: str, items: list[Any], group: int) -> dict[str, Any]:
+def offline(
+    model_spec: str, precision: str, items: list[Any], group: int, device: str = "cpu"
+) -> dict[str, Any]:
     """Load and settle the model in ``precision``; its outputs on ``items`` and its offline texts/s."""
     import torch
 
@@ -68,8 +70,10 @@ def offline(model_spec: str, precision: str, items: list[Any], group: int) -> di
 
     settings = Settings.from_env({**os.environ, "SERVE_MODEL": model_spec, "SERVE_PRECISION": precision})
     torch.set_num_threads(os.cpu_count() or 1)  # one process, every core
-    model = load_model(settings, "cpu")
-    outcome = settle(model, task_of(model), settings.replace(run_dir=None), "cpu")
+    model = load_model(settings, device)
+    outcome = settle(model, task_of(model), settings.replace(run_dir=None), device)
+    cuda = device.startswith("cuda")
+    weights_mb = torch.cuda.memory_allocated() / 2**20 if cuda else None
     prepared = [model.prepare(item) for item in items]
     order = sorted(range(len(prepared)), key=lambda i: model.item_size(prepared[i]))  # type: ignore[attr-defined]
     outputs: list[Any] = [None] * len(prepared)
@@ -77,15 +81,21 @@ def offline(model_spec: str, precision: str, items: list[Any], group: int) -> di
         chunk = order[start : start + 32]
         for index, output in zip(chunk, model.predict([prepared[i] for i in chunk]), strict=True):
             outputs[index] = output
+    if cuda:
+        torch.cuda.synchronize()
     began = time.perf_counter()
     for start in range(0, len(order), 32):
         model.predict([prepared[i] for i in order[start : start + 32]])
+    if cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - began
     return {
         "outcome": outcome.describe(),
         "outputs": outputs,
         "items_per_s": len(prepared) / seconds,
         "task": task_of(model),
+        # On a GPU: what the loaded model holds there (its weights, in the precision in use).
+        "weights_mb": weights_mb,
     }
 
 

@@ -254,3 +254,31 @@ def test_without_a_gpu_the_script_says_so_in_one_line_and_exits_2() -> None:
     lines = done.stderr.splitlines()
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith("gpu_check: no NVIDIA GPU here (")
+
+
+def test_float16_passes_when_kept_faster_and_smaller_and_fails_saying_why() -> None:
+    from scripts.bench.gpu_check import judge_precision, precision_table
+
+    full = {
+        "precision": "float32",
+        "in_use": "float32",
+        "items_per_s": 1000.0,
+        "weights_mb": 87.0,
+        "exactness": {},
+        "check": {},
+    }
+    half = {
+        "precision": "float16",
+        "in_use": "float16",
+        "items_per_s": 1900.0,
+        "weights_mb": 44.0,
+        "exactness": {"min_cosine": 0.9999, "median_cosine": 1.0},
+        "check": {"min_cosine": 0.9999},
+    }
+    check = judge_precision([full, half])
+    assert check.ok is True and "1.90x" in check.detail
+    table = precision_table([full, half])
+    assert "| float16 | float16 | 1900 | 1.90x | 44 | min_cosine 0.9999" in table
+    fell_back = {**half, "in_use": "float32", "weights_mb": 87.0}
+    refused = judge_precision([full, fell_back])
+    assert refused.ok is False and "'float32' in use" in refused.detail
