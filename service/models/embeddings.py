@@ -43,6 +43,11 @@ class SentenceEmbeddingModel:
         self._max_length = self._model.max_seq_length or position_limit(self._tokenizer, None)
         self._encode = Encoder(self._tokenizer, max_length=self._max_length)
         self._pad_id = self._tokenizer.pad_token_id or 0
+        # Whether SERVE_PRECISION can swap its network (service.models.precision):
+        # a first module that holds no transformer (static embeddings) cannot.
+        self.reducible = isinstance(getattr(self._model[0], "model", None), torch.nn.Module) or isinstance(
+            getattr(self._model[0], "auto_model", None), torch.nn.Module
+        )
         dimension = self._model.get_embedding_dimension()
         # A text model's item_shape is what it returns for one item (service.http.v2_codec).
         self.item_shape: tuple[int, ...] | None = (dimension,) if dimension else None

@@ -222,8 +222,12 @@ def on_samples(floor: Floor) -> Floor:
     return dataclasses.replace(floor, min_cosine=1 - (1 - floor.min_cosine) * (1 - TAIL_RESERVE))
 
 
-def shortfall(figures: dict[str, float], floor: Floor) -> str | None:
-    """Why ``figures`` fall below ``floor`` (naming the setting), or None if they do not."""
+def shortfall(figures: dict[str, float], floor: Floor, asked: Floor | None = None) -> str | None:
+    """Why ``figures`` fall below ``floor`` (naming the setting), or None if they do not.
+
+    ``asked`` is the floor as set, where ``floor`` is what the samples must meet (``on_samples``).
+    """
+    asked = asked or floor
     limits = (
         ("min_cosine", floor.min_cosine, "SERVE_PRECISION_MIN_COSINE", True),
         ("median_cosine", floor.median_cosine, "SERVE_PRECISION_MEDIAN_COSINE", True),
@@ -238,7 +242,9 @@ def shortfall(figures: dict[str, float], floor: Floor) -> str | None:
             return f"{name} is {value}: the reduced network's outputs are not finite"
         if (value < limit) if at_least else (value > limit):
             relation = "under" if at_least else "over"
-            return f"{name} {value:.4f} is {relation} the floor {limit:g} ({setting})"
+            set_to = getattr(asked, name)
+            source = f"{setting}={set_to:g}" + (", with a reserve for the tail" if set_to != limit else "")
+            return f"{name} {value:.4f} is {relation} {limit:g} on the samples ({source})"
     return None
 
 
@@ -250,7 +256,7 @@ def finite(outputs: Any) -> bool:
         return all(finite(value) for value in outputs.values())
     if isinstance(outputs, (list, tuple)):
         return all(finite(value) for value in outputs)
-    if isinstance(outputs, float):
+    if isinstance(outputs, (float, np.floating)):
         return math.isfinite(outputs)
     return True
 
@@ -262,7 +268,7 @@ SAMPLE_TEXTS_FILE = Path(__file__).with_name("exactness_texts.txt")
 RERANK_GROUP = 8
 
 
-def sample_items(task: str) -> tuple[list[Any], int]:
+def sample_items(task: str, mask: str = "[MASK]") -> tuple[list[Any], int]:
     """The items the check runs for ``task``, and the group size ``compare`` reads them by.
 
     Real sentences of mixed length (22 to 700 characters). A rerank query is
@@ -283,7 +289,7 @@ def sample_items(task: str) -> tuple[list[Any], int]:
         masked = []
         for text in texts:
             words = text.split()
-            words[len(words) // 2] = "[MASK]"
+            words[len(words) // 2] = mask
             masked.append(" ".join(words))
         return masked, 1
     return texts, 1
@@ -351,6 +357,8 @@ class Choice:
     exactness: dict[str, float] = field(default_factory=dict)
     kept_float32: tuple[str, ...] = ()
     fallback: str | None = None
+    # The check itself failed (not the floor): not kept for other workers, which check afresh.
+    failed: bool = False
 
 
 def check(
@@ -362,42 +370,61 @@ def check(
 ) -> Choice:
     """Try ``precision`` on ``model`` (a Reducible) against float32; the model is left as chosen.
 
-    ``run`` predicts prepared items (the model's own predict by default). The
-    float32 network is dropped once a reduced one is kept: no worker holds both.
+    ``run`` predicts prepared items (the model's own predict by default). Once
+    a reduced network is kept the float32 one is dropped: a settled worker
+    holds one network. Whatever fails during the check (a sample the model
+    refuses, a copy that does not fit, a reduced network that raises) leaves
+    the model in float32 with the reason, never a worker that cannot start.
     """
     run = run or (lambda batch: _in_chunks(model, batch))
-    floor = on_samples(floor)
-    raw, group = sample_items(task)
-    items = [model.prepare(item) for item in raw]
+    original = None
+    try:
+        original = model.network()
+        return _settled(model, _search(model, task, precision, floor, run=run, original=original))
+    except Exception as exc:  # any failure of the check falls back to float32, with its reason
+        if original is not None:
+            model.use_network(original)
+        reason = f"{precision} falls back to float32: the check failed: {type(exc).__name__}: {exc}"
+        return _settled(model, Choice(FLOAT32, fallback=reason, failed=True))
+
+
+def _search(
+    model: Any, task: str, precision: str, asked: Floor, *, run: Callable[[list[Any]], Any], original: Any
+) -> Choice:
+    floor = on_samples(asked)
+    raw, group = sample_items(task, getattr(model, "mask_token", None) or "[MASK]")
+    items = _prepared(model, raw, group)
     reference = run(items)
-    original = model.network()
 
     def measured(candidate: Any) -> tuple[dict[str, float], str | None]:
         model.use_network(candidate)
         try:
             outputs = run(items)
-        except Exception as exc:  # a network that cannot run reduced falls back, with the reason
+        except Exception as exc:  # a network that cannot run reduced is refused, with its reason
             return {}, f"the {precision} network failed on the sample items: {type(exc).__name__}: {exc}"
         if not finite(outputs):
             return {}, f"the {precision} network's outputs are not finite"
         figures = compare(task, reference, outputs, group)
-        return figures, shortfall(figures, floor)
+        return figures, shortfall(figures, floor, asked)
 
     if precision != INT8:
         figures, why = measured(reduced(original, precision))
         if why is None:
-            return _settled(model, Choice(precision, exactness=figures))
+            return Choice(precision, exactness=figures)
         model.use_network(original)
-        return _settled(model, Choice(FLOAT32, fallback=f"{precision} falls back to float32: {why}"))
+        return Choice(FLOAT32, fallback=f"{precision} falls back to float32: {why}")
 
     every = linear_layers(original)
     figures, why = measured(reduced(original, INT8, every))
     if why is None:
-        return _settled(model, Choice(INT8, tuple(every), figures))
-    # Each layer alone in int8, on every sample: how far it moves the outputs.
-    # Then the longest run of the least moving that stays above the floor.
-    # On the shorter half of the samples (rerank: all of them, query by query):
-    # short texts move the most, and cost the least to run 37 times over.
+        return Choice(INT8, tuple(every), figures)
+    if not figures:  # it raised, or gave non-finite outputs: no search can measure from there
+        model.use_network(original)
+        return Choice(FLOAT32, fallback=f"int8 falls back to float32: {why}")
+    # Each layer alone in int8, on the shorter half of the samples (rerank: all
+    # of them, query by query; short texts move the most and cost the least to
+    # run once a layer): how far it moves the outputs. Then the longest run of
+    # the least moving that stays above the floor.
     few = list(range(len(items)))
     size = getattr(model, "item_size", None)
     if group == 1 and callable(size):
@@ -406,19 +433,35 @@ def check(
     moved: dict[str, float] = {}
     for name in every:
         model.use_network(reduced(original, INT8, [name]))
-        moved[name] = _distance(task, compare(task, few_reference, run(few_items), group))
+        distance = _distance(task, compare(task, few_reference, run(few_items), group))
+        moved[name] = distance if math.isfinite(distance) else math.inf
     order = sorted(every, key=lambda name: moved[name])  # ties keep the network's order
-    count, figures = _longest_passing(
-        len(order), lambda n: measured(reduced(original, INT8, order[:n])), figures
+    count, figures, why = _longest_passing(
+        len(order), lambda n: measured(reduced(original, INT8, order[:n])), figures, why
     )
     if count == 0:
         model.use_network(original)
-        why = f"int8 falls back to float32: even the least moving Linear layer alone in int8 puts {why}"
-        return _settled(model, Choice(FLOAT32, fallback=why))
+        why = f"int8 falls back to float32: even the least moving layer alone puts {why}"
+        return Choice(FLOAT32, fallback=why)
     chosen = set(order[:count])
     model.use_network(reduced(original, INT8, order[:count]))
     kept = tuple(name for name in every if name not in chosen)
-    return _settled(model, Choice(INT8, tuple(name for name in every if name in chosen), figures, kept))
+    return Choice(INT8, tuple(name for name in every if name in chosen), figures, kept)
+
+
+def _prepared(model: Any, raw: list[Any], group: int) -> list[Any]:
+    """The samples the model takes (a model of few positions refuses the longest); a ValueError if none."""
+    if group > 1:  # rerank: whole queries, so that compare reads them in groups
+        return [model.prepare(item) for item in raw]
+    items = []
+    for item in raw:
+        try:
+            items.append(model.prepare(item))
+        except ValueError:
+            continue
+    if len(items) < len(raw) // 2:
+        raise ValueError(f"the model takes only {len(items)} of the {len(raw)} sample items")
+    return items
 
 
 def _rows(outputs: Any, rows: list[int]) -> Any:
@@ -434,21 +477,24 @@ def _settled(model: Any, choice: Choice) -> Choice:
 
 
 def _longest_passing(
-    total: int, measure: Callable[[int], tuple[dict[str, float], str | None]], figures: dict[str, float]
-) -> tuple[int, dict[str, float]]:
-    """The largest n below ``total`` whose measure passes, by bisection, and its figures (0 if none).
+    total: int,
+    measure: Callable[[int], tuple[dict[str, float], str | None]],
+    figures: dict[str, float],
+    why: str | None,
+) -> tuple[int, dict[str, float], str | None]:
+    """The largest n below ``total`` whose measure passes, by bisection, its figures, and the last refusal.
 
     Quantizing more layers moves the outputs further, near enough monotonically.
     """
     best, low, high = 0, 1, total - 1
     while low <= high:
         middle = (low + high) // 2
-        measured_figures, why = measure(middle)
-        if why is None:
+        measured_figures, reason = measure(middle)
+        if reason is None:
             best, figures, low = middle, measured_figures, middle + 1
         else:
-            high = middle - 1
-    return best, figures
+            why, high = reason, middle - 1
+    return best, figures, why
 
 
 def _in_chunks(model: Any, items: list[Any], rows: int = 16) -> Any:

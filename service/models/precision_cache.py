@@ -20,6 +20,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,9 @@ def floor_of(settings: Settings) -> p.Floor:
 def settle(model: Any, task: str, settings: Settings, device: str) -> p.Outcome:
     """Put ``model`` in the precision ``settings`` ask for, checked; what was settled, and why."""
     requested = settings.precision
-    reducible = isinstance(model, p.Reducible)
+    # A kind may offer the methods and still hold a network it cannot swap (a
+    # sentence-transformers directory whose first module is not a transformer).
+    reducible = isinstance(model, p.Reducible) and bool(getattr(model, "reducible", True))
     target = p.resolve(
         requested, device=device, task=task, reducible=reducible, cpu_flags=p.cpu_flags(), name=model.name
     )
@@ -52,6 +55,11 @@ def settle(model: Any, task: str, settings: Settings, device: str) -> p.Outcome:
         choice = p.check(model, task, target, floor)
     else:
         choice = _shared(model, task, target, floor, settings=settings, device=device)
+    if device.startswith("cuda"):
+        import torch
+
+        # The float32 network and the tried copies are gone; their blocks go back to the GPU.
+        torch.cuda.empty_cache()
     return p.Outcome(
         requested,
         choice.precision,
@@ -62,33 +70,74 @@ def settle(model: Any, task: str, settings: Settings, device: str) -> p.Outcome:
     )
 
 
+# Bumped when an entry's fields change: an older entry is then another key, never misread.
+ENTRY_FORMAT = 1
+# How long a worker waits for another's check before it checks for itself.
+WAIT_S = 600.0
+
+
 def _shared(
     model: Any, task: str, target: str, floor: p.Floor, *, settings: Settings, device: str
 ) -> p.Choice:
-    import torch
-
-    # Every worker resolves a relative SERVE_MODEL from the same directory.
-    kind = device.split(":", maxsplit=1)[0]
-    key = json.dumps([settings.model, target, kind, dataclasses.asdict(floor), torch.__version__])
-    entry = Path(settings.run_dir or ".") / f"precision-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    entry = Path(settings.run_dir or ".") / f"precision-{_key(settings.model, target, floor, device)}.json"
     with open(entry.with_suffix(".lock"), "w") as lock:
-        # Held while the first worker checks: the others block here, then read its entry.
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        # Held while the first worker checks: the others wait here, then read its entry.
+        if not _take(lock, WAIT_S):
+            log.warning("another worker's precision check took over %.0f s; checking here too", WAIT_S)
+            return p.check(model, task, target, floor)
         try:
-            if entry.exists():
-                choice = p.Choice(**_tuples(json.loads(entry.read_text())))
-                p.apply(model, choice)
-                log.info("precision %s as the service's check chose it (%s)", choice.precision, entry)
+            choice = _read(entry)
+            if choice is None:
+                choice = p.check(model, task, target, floor)
+                if not choice.failed:  # a failure may be this worker's alone: the next one checks again
+                    partial = entry.with_suffix(".partial")
+                    partial.write_text(json.dumps(dataclasses.asdict(choice)))
+                    partial.replace(entry)
                 return choice
-            choice = p.check(model, task, target, floor)
-            partial = entry.with_suffix(".partial")
-            partial.write_text(json.dumps(dataclasses.asdict(choice)))
-            partial.replace(entry)
-            return choice
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+    # Applied outside the lock, so that the workers after the first start side by side.
+    p.apply(model, choice)
+    log.info("precision %s as the service's check chose it (%s)", choice.precision, entry)
+    return choice
 
 
-def _tuples(fields: dict[str, Any]) -> dict[str, Any]:
-    """JSON's lists back as the tuples Choice holds."""
-    return {name: tuple(value) if isinstance(value, list) else value for name, value in fields.items()}
+def _key(model: str, target: str, floor: p.Floor, device: str) -> str:
+    """Everything a choice depends on: the model and its files as they are now, the precision, the floor."""
+    import torch
+
+    path = Path(model)
+    files = sorted(path.iterdir()) if path.is_dir() else [path] if path.is_file() else []
+    # A model replaced in place (and the service reloaded) is another key.
+    stamp = [(file.name, file.stat().st_size, file.stat().st_mtime_ns) for file in files if file.is_file()]
+    kind = device.split(":", maxsplit=1)[0]
+    # Every worker resolves a relative SERVE_MODEL from the same directory.
+    parts = [ENTRY_FORMAT, model, stamp, target, kind, dataclasses.asdict(floor), torch.__version__]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def _take(lock: Any, wait_s: float) -> bool:
+    """The exclusive lock on ``lock``, waited for at most ``wait_s`` seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            # flock has no timeout; the poll runs in the loader's own thread, once, before the worker serves.
+            time.sleep(0.2)
+
+
+def _read(entry: Path) -> p.Choice | None:
+    """The choice an entry holds; None if there is none, or it cannot be read (then it is checked again)."""
+    try:
+        fields: dict[str, Any] = json.loads(entry.read_text())
+        values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+        return p.Choice(**values)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError) as exc:
+        log.warning("the precision entry %s cannot be read (%s); checking again", entry, exc)
+        return None

@@ -155,6 +155,7 @@ def test_a_precision_under_the_floor_falls_back_to_float32_with_the_reason(
     choice = p.check(model, task, "int8", NONE_PASSES)
     assert choice.precision == "float32"
     assert choice.fallback is not None and "falls back to float32" in choice.fallback
+    assert "on the samples (SERVE_PRECISION_" in choice.fallback  # names the figure and the setting
     assert model.network() is original  # type: ignore[attr-defined]
 
 
@@ -167,6 +168,10 @@ def test_float16_runs_the_body_reduced_and_answers_in_float32(model_dirs: dict[s
     assert choice.precision == "float16", choice.fallback
     assert next(model.network().parameters()).dtype == torch.float16  # type: ignore[attr-defined]
     assert set(choice.exactness) and all(np.isfinite(list(choice.exactness.values())))
+    raw, _ = p.sample_items(task)
+    outputs = model.predict([model.prepare(item) for item in raw[:8]])  # type: ignore[attr-defined]
+    if task == "rerank":  # scores computed in float32 whatever the network ran in
+        assert outputs.dtype == np.float32
 
 
 def test_int8_on_real_embeddings_keeps_the_sensitive_layers_in_float32(model_dirs: dict[str, Path]) -> None:
@@ -198,3 +203,102 @@ def test_workers_sharing_a_run_dir_check_once(
     second = settle(second_model, "classification", settings, "cpu")
     assert second == first
     assert not p.linear_layers(second_model.network())  # type: ignore[attr-defined]
+
+
+# -- the search and its failures, on a toy network -----------------------------------------------
+
+
+def test_the_longest_passing_run_is_found_by_bisection_with_the_last_refusal() -> None:
+    def measure(n: int) -> tuple[dict[str, float], str | None]:
+        return ({"n": float(n)}, None) if n <= 6 else ({}, f"{n} layers move it too far")
+
+    count, figures, why = p._longest_passing(10, measure, {}, "all 10 move it too far")
+    assert (count, figures) == (6, {"n": 6.0}) and why is not None and "layers move it too far" in why
+    none_pass = p._longest_passing(10, lambda n: ({}, f"{n} too far"), {}, "all too far")
+    assert none_pass[0] == 0 and none_pass[2] == "1 too far"
+
+
+class Toy:
+    """A Reducible model of two Linear layers over fixed vectors, its items indices of them."""
+
+    task = "embeddings"
+    name = "toy"
+
+    def __init__(self) -> None:
+        import torch
+
+        torch.manual_seed(0)
+        self._network = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        self._inputs = torch.randn(200, 8)
+
+    def network(self) -> object:
+        return self._network
+
+    def use_network(self, module: object) -> None:
+        self._network = module  # type: ignore[assignment]
+
+    def prepare(self, item: str) -> int:
+        return len(item) % 200
+
+    def predict(self, batch: list[int]) -> np.ndarray:
+        import torch
+
+        with torch.inference_mode():
+            out: np.ndarray = self._network(self._inputs[batch]).float().numpy()
+        return out
+
+
+def test_a_reduced_network_that_raises_falls_back_with_the_reason_and_the_original_stays() -> None:
+    model = Toy()
+    original = model.network()
+
+    def run(batch: list[int]) -> np.ndarray:
+        if model.network() is not original:
+            raise RuntimeError("no kernel for this dtype")
+        return model.predict(batch)
+
+    choice = p.check(model, "embeddings", "int8", p.Floor(), run=run)
+    assert choice.precision == "float32" and not choice.failed
+    assert choice.fallback is not None and "RuntimeError: no kernel for this dtype" in choice.fallback
+    assert model.network() is original
+
+
+def test_a_check_that_cannot_run_at_all_falls_back_and_is_marked_failed() -> None:
+    model = Toy()
+    original = model.network()
+
+    def run(batch: list[int]) -> np.ndarray:
+        raise MemoryError("out of memory")
+
+    choice = p.check(model, "embeddings", "float16", p.Floor(), run=run)
+    assert choice.precision == "float32" and choice.failed
+    assert "the check failed: MemoryError: out of memory" in (choice.fallback or "")
+    assert model.network() is original
+
+
+def test_the_refusal_names_the_floor_as_set_and_the_samples_reserve() -> None:
+    why = p.shortfall({"min_cosine": 0.97}, p.on_samples(p.Floor()), p.Floor())
+    assert why == (
+        "min_cosine 0.9700 is under 0.98 on the samples (SERVE_PRECISION_MIN_COSINE=0.95, with a reserve "
+        "for the tail)"
+    )
+
+
+def test_an_unreadable_entry_is_checked_again(
+    model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = Settings(model=str(model_dirs["classification"]), precision="int8", run_dir=str(tmp_path))
+    settings = settings.replace(precision_min_top1=0.0, precision_max_score_diff=1000.0)
+    settle(loaded(model_dirs["classification"]), "classification", settings, "cpu")
+    (entry,) = tmp_path.glob("precision-*.json")
+    entry.write_text('{"precision": "int8", "unknown_field": 1}')
+    checks = []
+    real_check = p.check
+
+    def counted(*args: object, **kwargs: object) -> p.Choice:
+        checks.append(1)
+        return real_check(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(p, "check", counted)
+    outcome = settle(loaded(model_dirs["classification"]), "classification", settings, "cpu")
+    assert checks == [1] and outcome.precision == "int8"
