@@ -19,7 +19,7 @@ from service.host.slots import SlotTable
 from service.host.worker import BalancedThreadWorker
 from service.logs import logging_config
 from service.model_spec import check_spec, default_onednn_cache, weights
-from service.models.precision import check_device
+from service.precision_spec import check_device
 from service.settings import Settings, cuda_visible_devices
 from service.topology.inventory import first_inventory
 from service.topology.plan import plan as plan_topology

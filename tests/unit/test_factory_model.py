@@ -38,7 +38,9 @@ def test_a_factory_models_task_shows(make_client: Callable[[Settings], FlaskClie
     client = make_client(Settings(model="tests.support.models:sized_echo"))
     assert client.get("/info").json["model"]["task"] == "generic"  # type: ignore[index]
     scrape = Scrape.parse(client.get("/metrics").get_data())
-    assert scrape.series("serve_model_info") == [{"slot": "0", "name": "sized-echo", "task": "generic"}]
+    assert scrape.series("serve_model_info") == [
+        {"slot": "0", "name": "sized-echo", "task": "generic", "precision": "float32"}
+    ]
 
 
 def test_a_factory_with_an_unknown_task_fails_to_load(make_client: Callable[[Settings], FlaskClient]) -> None:
