@@ -19,12 +19,11 @@ from typing import Any
 
 from service.errors import SettingsError
 from service.image_spec import PREPROCESS_FILE
+from service.precision_spec import PRECISIONS
 
 WORKER_CLASSES = ("gthread", "gevent", "sync")
 LOG_FORMATS = ("text", "json")
 BATCH_GATHER_POLICIES = ("adaptive", "eager")
-# What SERVE_PRECISION takes (service.models.precision; docs/models.md, "Precision").
-PRECISIONS = ("auto", "float32", "float16", "bfloat16", "int8")
 DEVICE_MODES = ("auto", "cpu", "cuda")
 # Pillow's own decompression-bomb threshold (PIL.Image.MAX_IMAGE_PIXELS), written
 # out so that the master need not import Pillow: SERVE_MAX_IMAGE_PIXELS may only

@@ -365,28 +365,22 @@ def run_checks(
 
 def compare_precisions(model_spec: str) -> list[dict[str, Any]]:
     """In a spawned process: float32, then float16, each loaded and settled on the GPU as a worker does."""
-    from scripts.bench.precision import corpus, offline
-    from service.models.precision import compare
+    import torch
 
-    texts = corpus()
+    from scripts.bench.precision import against_float32, corpus
+
     rows: list[dict[str, Any]] = []
-    reference = None
-    for precision in ("float32", "float16"):
-        found = offline(model_spec, precision, texts, 1, device="cuda")
-        reference = reference if reference is not None else found["outputs"]
-        figures = compare(found["task"], reference, found["outputs"]) if precision != "float32" else {}
+    for precision, found in against_float32(model_spec, ["float16"], corpus(), 1, device="cuda"):
         rows.append(
             {
                 "precision": precision,
                 "in_use": found["outcome"]["in_use"],
                 "items_per_s": found["items_per_s"],
                 "weights_mb": found["weights_mb"],
-                "exactness": figures,
+                "exactness": found["exactness"],
                 "check": found["outcome"].get("exactness") or found["outcome"].get("fallback") or {},
             }
         )
-        import torch
-
         torch.cuda.empty_cache()
     return rows
 

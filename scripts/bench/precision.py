@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,7 @@ def offline(
 
     from service.models import load_model
     from service.models.base import task_of
+    from service.models.precision import in_chunks
     from service.models.precision_cache import settle
     from service.settings import Settings
 
@@ -75,12 +77,8 @@ def offline(
     cuda = device.startswith("cuda")
     weights_mb = torch.cuda.memory_allocated() / 2**20 if cuda else None
     prepared = [model.prepare(item) for item in items]
+    outputs = in_chunks(model, prepared, rows=32)  # a first pass, unmeasured: warms every shape
     order = sorted(range(len(prepared)), key=lambda i: model.item_size(prepared[i]))  # type: ignore[attr-defined]
-    outputs: list[Any] = [None] * len(prepared)
-    for start in range(0, len(order), 32):  # a first pass, unmeasured: warms every shape
-        chunk = order[start : start + 32]
-        for index, output in zip(chunk, model.predict([prepared[i] for i in chunk]), strict=True):
-            outputs[index] = output
     if cuda:
         torch.cuda.synchronize()
     began = time.perf_counter()
@@ -97,6 +95,23 @@ def offline(
         # On a GPU: what the loaded model holds there (its weights, in the precision in use).
         "weights_mb": weights_mb,
     }
+
+
+def against_float32(
+    model_spec: str, precisions: list[str], items: list[Any], group: int, device: str = "cpu"
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``offline`` for each precision in turn, float32 first, each with its ``exactness`` against it."""
+    from service.models.precision import compare
+
+    reference = None
+    for precision in ["float32", *(name for name in precisions if name != "float32")]:
+        found = offline(model_spec, precision, items, group, device)
+        if reference is None:
+            reference = found["outputs"]
+        found["exactness"] = (
+            {} if precision == "float32" else compare(found["task"], reference, found["outputs"], group)
+        )
+        yield precision, found
 
 
 def route(
@@ -126,31 +141,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--json", help="write the numbers here")
     args = p.parse_args(argv)
-    precisions = args.precisions.split(",")
-    if precisions[0] != "float32":
-        precisions.insert(0, "float32")
+    # float32 first, the reference (against_float32 runs it first too).
+    precisions = ["float32", *(name for name in args.precisions.split(",") if name != "float32")]
     texts = corpus()
-    from service.models import precision as prec
 
     if args.rerank:
         items, group = rerank_pairs(texts, args.rerank)
-        task, path = "rerank", "/rerank/batched"
+        path = "/rerank/batched"
         bodies = [
             json.dumps({"query": items[i][0], "documents": [d for _, d in items[i : i + group]]}).encode()
             for i in range(0, len(items), group)
         ]
         unit = "pairs"
     else:
-        items, group, task, path = texts, 1, "embeddings", "/predict/batched"
+        items, group, path = texts, 1, "/predict/batched"
         bodies = [json.dumps({"inputs": [text]}).encode() for text in texts]
         unit = "texts"
     rows: dict[str, dict[str, Any]] = {}
-    reference = None
-    for precision in precisions:
-        measured = offline(args.model, precision, items, group)
-        if reference is None:
-            reference = measured["outputs"]
-        figures = prec.compare(task, reference, measured["outputs"], group) if precision != "float32" else {}
+    for precision, measured in against_float32(args.model, precisions, items, group):
+        figures = measured["exactness"]
         rows[precision] = {
             "offline": measured["items_per_s"],
             "outcome": measured["outcome"],

@@ -102,9 +102,9 @@ WORTH_IT = 1.1
 
 def precision(settings: Settings, corpus_path: str | None) -> None:
     """Each precision this machine allows, checked as the service checks it, against float32 on the corpus."""
-    from scripts.bench.precision import CORPUS, offline, rerank_pairs
+    from scripts.bench.precision import CORPUS, against_float32, rerank_pairs
     from service.model_spec import directory_task
-    from service.models.precision import PRECISIONS, check_device, compare
+    from service.models.precision import PRECISIONS, check_device
 
     texts = [line.strip() for line in Path(corpus_path or CORPUS).read_text().splitlines() if line.strip()]
     path = Path(settings.model)
@@ -124,13 +124,11 @@ def precision(settings: Settings, corpus_path: str | None) -> None:
     print(f"\nprecisions on {device}, over {len(items)} items:\n")
     print("| precision | in use | items/s | vs float32 | exactness on the corpus | check at start |")
     print("| --- | --- | ---: | ---: | --- | --- |")
-    reference = base = None
+    base = None
     best, best_speed = "float32", 1.0
-    for name in allowed:
-        found = offline(settings.model, name, items, group, device=device)
+    for name, found in against_float32(settings.model, allowed, items, group, device):
         base = base or found["items_per_s"]
-        reference = reference if reference is not None else found["outputs"]
-        figures = compare(found["task"], reference, found["outputs"], group) if name != "float32" else {}
+        figures = found["exactness"]
         shown = ", ".join(f"{k} {v:.3f}" for k, v in figures.items()) or "-"
         outcome = found["outcome"]
         speed = found["items_per_s"] / base

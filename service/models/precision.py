@@ -262,11 +262,14 @@ def sample_items(task: str, mask: str = "[MASK]") -> tuple[list[Any], int]:
 # -- reducing a network: torch ---------------------------------------------------------------
 
 
-def reduced(network: Any, precision: str, layers: Sequence[str] = ()) -> Any:
-    """A copy of ``network`` in ``precision`` (int8: ``layers``, by name, quantized)."""
+def reduced(network: Any, precision: str, layers: Sequence[str] = (), *, in_place: bool = False) -> Any:
+    """A copy of ``network`` in ``precision`` (int8: ``layers``, by name, quantized).
+
+    ``in_place`` reduces ``network`` itself, for a caller that drops the float32 one.
+    """
     import torch
 
-    module = copy.deepcopy(network)
+    module = network if in_place else copy.deepcopy(network)
     if precision in (FLOAT16, BFLOAT16):
         module.to(getattr(torch, precision))
         # The body runs reduced; what comes out of it, float32 (see the module's docstring).
@@ -340,7 +343,7 @@ def check(
     refuses, a copy that does not fit, a reduced network that raises) leaves
     the model in float32 with the reason, never a worker that cannot start.
     """
-    run = run or (lambda batch: _in_chunks(model, batch))
+    run = run or (lambda batch: in_chunks(model, batch))
     original = None
     try:
         original = model.network()
@@ -461,7 +464,7 @@ def _longest_passing(
     return best, figures, why
 
 
-def _in_chunks(model: Any, items: list[Any], rows: int = 16) -> Any:
+def in_chunks(model: Any, items: list[Any], rows: int = 16) -> Any:
     """``model.predict`` on ``items``, a few of similar length at a time, as the batcher runs them.
 
     One call on every sample would pad each to the longest (700 characters),
@@ -492,6 +495,6 @@ def apply(model: Any, choice: Choice) -> None:
     """Put ``model`` in the precision another worker's check chose, without checking again."""
     if choice.precision == FLOAT32:
         return
-    original = model.network()
-    model.use_network(reduced(original, choice.precision, choice.layers))
+    # In place: this worker never needs its float32 network again, so no second copy is made.
+    model.use_network(reduced(model.network(), choice.precision, choice.layers, in_place=True))
     _settled(model, choice)
