@@ -12,8 +12,10 @@ import dataclasses
 import os
 import sys
 
+from gunicorn.arbiter import Arbiter
+
 from service.errors import SettingsError
-from service.host import lifecycle, multiproc
+from service.host import lifecycle, multiproc, preload
 from service.host.balance import Balance, ConnectionShares
 from service.host.slots import SlotTable
 from service.host.worker import BalancedThreadWorker
@@ -61,8 +63,10 @@ timeout = plan.timeout_s
 max_requests = settings.max_requests
 max_requests_jitter = settings.max_requests // 10
 graceful_timeout = plan.graceful_timeout_s
-# preload_app stays off: torch's OpenMP pool and CUDA do not survive a fork, so
-# each worker imports wsgi (and loads its model) after it is forked.
+# preload_app stays off: the app (its batch thread, its metrics) is each worker's
+# own. What every CPU worker builds alike, the model, is built in the master by
+# on_starting (service.host.preload), without running it: torch's OpenMP pool
+# and CUDA do not survive a fork.
 preload_app = False
 # Idle seconds a keep-alive connection stays open. Behind nginx (deploy/nginx.conf)
 # this must outlast nginx's upstream keepalive_timeout (60 s there): if gunicorn
@@ -102,10 +106,17 @@ def on_starting(server):
     _log_plan(server)
     _share_metrics(server)
     _share_run_dir(server)
+    _preload(server)
+
+
+def on_reload(server):
+    # SIGHUP: the files as they are now, for the workers about to start.
+    _preload(server)
 
 
 def pre_fork(server, worker):
     _take_slot(server, worker)
+    _freeze_shared(server)
 
 
 def post_fork(server, worker):
@@ -159,6 +170,37 @@ def _check_model():
         sys.exit(f"gunicorn_conf.py: {exc}")
     if settings.onednn_cache is None:
         plan = dataclasses.replace(plan, onednn_cache=default_onednn_cache(settings.model))
+
+
+def _preload(server):
+    # One copy of the model for every CPU worker (service.host.preload): built
+    # here, before the first fork, and shared by the workers' pages.
+    if not preload.wanted(settings, (worker.device for worker in plan.workers)):
+        if settings.share_weights:
+            server.log.info("the model is built in each worker: GPU weights cannot pass through a fork")
+        return
+    try:
+        held = preload.build(settings, plan.worker_env(0))
+    except Exception as exc:
+        # The traceback is for the log; the service stops as when a worker cannot
+        # load the model, rather than start workers that would fail alike.
+        server.log.exception("model %r failed to load", settings.model)
+        server.log.error(
+            "stopping the service: model %r failed to load: %s: %s", settings.model, type(exc).__name__, exc
+        )
+        multiproc.cleanup()  # on_exit does not run for a master that never started
+        sys.exit(Arbiter.WORKER_BOOT_ERROR)
+    server.log.info(
+        "model %s built once for every worker in %.1f s (%s); SERVE_SHARE_WEIGHTS=off builds it in each",
+        held.model.name,
+        held.seconds,
+        held.precision.precision,
+    )
+
+
+def _freeze_shared(server):
+    if preload.take(settings, "cpu") is not None:
+        preload.freeze()
 
 
 # -- worker topology ----------------------------------------------------------------

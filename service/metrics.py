@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from flask import Flask, Response, current_app
@@ -77,6 +78,7 @@ _WORKER_LABELS = ("slot", "device")
 
 # A worker reads its own RSS at most this often (on a batch, or a scrape it answers).
 RSS_EVERY_S = 1.0
+SMAPS_EVERY_S = 15.0
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 # device -> (bytes allocated, bytes reserved) by torch's caching allocator.
@@ -203,6 +205,32 @@ class Metrics(BatchObserver):
             per_worker=True,
         )
         self._rss_read_at = -RSS_EVERY_S
+        # RSS counts a page shared by every worker (the model, built once in the
+        # master: service.host.preload) once in each; PSS divides it among them,
+        # and private memory is what this worker alone holds: the figures that
+        # sum to the service's memory, and that grow with each worker added.
+        self.proportional_memory = _gauge(
+            r,
+            "serve_worker_proportional_memory_bytes",
+            "Proportional set size (PSS) of the worker: its private memory plus its share of shared pages.",
+            *_WORKER_LABELS,
+            per_worker=True,
+        )
+        self.private_memory = _gauge(
+            r,
+            "serve_worker_private_memory_bytes",
+            "Memory only this worker holds (private clean and dirty pages).",
+            *_WORKER_LABELS,
+            per_worker=True,
+        )
+        # The master's share of the pages it holds with its workers; set by slot 0's worker.
+        self.master_memory = _gauge(
+            r,
+            "serve_master_proportional_memory_bytes",
+            "Proportional set size (PSS) of the gunicorn master, which holds the shared model.",
+            per_worker=True,
+        )
+        self._smaps_read_at = -SMAPS_EVERY_S
         self._device_label = self._planned_device or "cpu"
         for reason in REJECTION_REASONS:
             self.rejected.labels(reason)
@@ -293,17 +321,29 @@ class Metrics(BatchObserver):
         self.model_load.labels(self.slot).set(seconds)
         self.worker_info.labels(self.slot, label).set(1)
         self._device_label = label
-        self._record_resident_memory(force=True)
+        self._record_resident_memory(force=True, detail=True)
         if device.startswith("cuda"):
             self._gpu = (device, label)
             self._record_gpu_memory()
 
-    def _record_resident_memory(self, force: bool = False) -> None:
+    def _record_resident_memory(self, force: bool = False, *, detail: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._rss_read_at < RSS_EVERY_S:
             return
         self._rss_read_at = now
         self.resident_memory.labels(self.slot, self._device_label).set(resident_bytes())
+        # A walk of the page tables (about 10 ms for a loaded worker), so less often.
+        if not detail and now - self._smaps_read_at < SMAPS_EVERY_S:
+            return
+        self._smaps_read_at = now
+        own = memory_rollup()
+        if own is not None:
+            self.proportional_memory.labels(self.slot, self._device_label).set(own.pss)
+            self.private_memory.labels(self.slot, self._device_label).set(own.private)
+        if self.slot == "0" and self._planned_device is not None:  # under gunicorn: the parent is the master
+            master = memory_rollup(os.getppid())
+            if master is not None:
+                self.master_memory.set(master.pss)
 
     def on_model_info(self, name: str, task: str, precision: str = "float32") -> None:
         self.model_info.labels(self.slot, name, task, precision).set(1)
@@ -374,6 +414,31 @@ def resident_bytes() -> int:
             return int(statm.read().split()[1]) * _PAGE_BYTES
     except OSError:
         return 0
+
+
+@dataclass(frozen=True)
+class Rollup:
+    pss: int
+    private: int
+
+
+def memory_rollup(pid: int | str = "self") -> Rollup | None:
+    """A process's PSS and private memory in bytes, from /proc/PID/smaps_rollup (None where unreadable)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as rollup:
+            text = rollup.read()
+    except OSError:
+        return None
+    fields: dict[bytes, int] = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(b":")
+        parts = rest.split()
+        if len(parts) == 2 and parts[1] == b"kB":
+            fields[name] = int(parts[0]) * 1024
+    if b"Pss" not in fields:
+        return None
+    private = fields.get(b"Private_Clean", 0) + fields.get(b"Private_Dirty", 0)
+    return Rollup(pss=fields[b"Pss"], private=private)
 
 
 def cuda_memory(device: str) -> tuple[int, int]:

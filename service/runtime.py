@@ -39,9 +39,10 @@ from service.batching.subbatch import CostModel
 from service.batching.watchdog import Watchdog
 from service.budget import Budget, body_budget_bytes
 from service.errors import NotReady
+from service.host import preload
 from service.models import Model, describe, load_model
 from service.models.base import Outputs, item_sizer, sample_item, task_of
-from service.models.precision import Outcome
+from service.models.precision import Outcome, finish
 from service.models.precision_cache import settle
 from service.outputs import check_outputs, client_error
 from service.settings import Settings
@@ -71,6 +72,8 @@ class ModelRuntime:
         self.load_seconds: float | None = None
         # The precision the model runs in and its cost in exactness (service.models.precision).
         self.precision: Outcome | None = None
+        # Whether the model is the one the master built for every worker (service.host.preload).
+        self.shared_weights = False
         self.pid = os.getpid()
         self.device = "cpu"
         # What the host does after a batch-thread fault, e.g. exit the worker.
@@ -110,9 +113,16 @@ class ModelRuntime:
     def _load_model(self) -> None:
         started = time.monotonic()
         try:
-            model = load_model(self.settings, self.device)
-            # Before the cost model is measured: it is the reduced network that runs.
-            self.precision = settle(model, task_of(model), self.settings, self.device)
+            shared = preload.take(self.settings, self.device)
+            if shared is not None:
+                # Built by the master before the fork, in its precision: what is
+                # left is what only a process that runs the model may do (a trace).
+                model, self.precision, self.shared_weights = shared.model, shared.precision, True
+                finish(model)
+            else:
+                model = load_model(self.settings, self.device)
+                # Before the cost model is measured: it is the reduced network that runs.
+                self.precision = settle(model, task_of(model), self.settings, self.device)
         except Exception as exc:
             log.exception("model %r failed to load", self.settings.model)
             self.load_error = f"model {self.settings.model!r} failed to load: {type(exc).__name__}: {exc}"

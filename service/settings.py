@@ -254,6 +254,9 @@ class Settings:
     worker_class: str = "gthread"
     worker_connections: int | None = None
     balance_connections: bool = True
+    # On CPU workers: build the model once in the gunicorn master, before the
+    # fork, so that every worker shares its pages (service.models.preload).
+    share_weights: bool = True
     # Hold a refused client's connection before reading its next request (service.host.hold).
     hold_refused: bool = True
     # Requests after which gunicorn replaces a worker (0: never); see max_requests_jitter.
@@ -397,6 +400,7 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "worker_class": ("SERVE_WORKER_CLASS", _Choice(WORKER_CLASSES)),
     "worker_connections": ("SERVE_WORKER_CONNECTIONS", _Integer(1, 100_000)),
     "balance_connections": ("SERVE_BALANCE_CONNECTIONS", _switch),
+    "share_weights": ("SERVE_SHARE_WEIGHTS", _switch),
     "hold_refused": ("SERVE_HOLD_REFUSED", _switch),
     "max_requests": ("SERVE_MAX_REQUESTS", _Integer(0, 1 << 31)),
     "onednn_cache": ("SERVE_ONEDNN_CACHE", _Integer(0, 1 << 20)),

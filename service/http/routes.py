@@ -123,6 +123,8 @@ def info() -> Response:
             "model": describe(rt.model) if rt.model is not None else None,
             # The precision in use, what was asked for, and its exactness against float32.
             "precision": rt.precision.describe() if rt.precision is not None else None,
+            # Built once in the gunicorn master and shared by every worker (SERVE_SHARE_WEIGHTS).
+            "shared_weights": rt.shared_weights,
             "ready": rt.readiness() is None,
             "not_ready_reason": rt.readiness(),
             "pid": rt.pid,

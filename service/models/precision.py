@@ -437,9 +437,7 @@ def _rows(outputs: Any, rows: list[int]) -> Any:
 
 def _settled(model: Any, choice: Choice) -> Choice:
     """Tell the model its network is final (the built-in model traces it then), and return ``choice``."""
-    done = getattr(model, "network_settled", None)
-    if callable(done):
-        done()
+    finish(model)
     return choice
 
 
@@ -491,10 +489,23 @@ def _distance(task: str, figures: dict[str, float]) -> float:
     return 1 - figures["top1_agreement"]
 
 
-def apply(model: Any, choice: Choice) -> None:
-    """Put ``model`` in the precision another worker's check chose, without checking again."""
+def apply(model: Any, choice: Choice, *, finish: bool = True) -> None:
+    """Put ``model`` in the precision another process's check chose, without checking again.
+
+    ``finish=False`` leaves the network untold that it is final (the built-in
+    model would trace it, a forward pass): the gunicorn master applies a choice
+    that way before the fork, and each worker finishes it (service.models.preload).
+    """
     if choice.precision == FLOAT32:
         return
-    # In place: this worker never needs its float32 network again, so no second copy is made.
+    # In place: this process never needs its float32 network again, so no second copy is made.
     model.use_network(reduced(model.network(), choice.precision, choice.layers, in_place=True))
-    _settled(model, choice)
+    if finish:
+        _settled(model, choice)
+
+
+def finish(model: Any) -> None:
+    """Tell ``model`` its network is final, in the process that will run it (see ``apply``)."""
+    done = getattr(model, "network_settled", None)
+    if callable(done):
+        done()

@@ -20,7 +20,12 @@ import fcntl
 import hashlib
 import json
 import logging
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,16 +45,14 @@ def floor_of(settings: Settings) -> p.Floor:
 
 
 def settle(model: Any, task: str, settings: Settings, device: str) -> p.Outcome:
-    """Put ``model`` in the precision ``settings`` ask for, checked; what was settled, and why."""
-    requested = settings.precision
-    # A kind may offer the methods and still hold a network it cannot swap (a
-    # sentence-transformers directory whose first module is not a transformer).
-    reducible = isinstance(model, p.Reducible) and bool(getattr(model, "reducible", True))
-    target = p.resolve(
-        requested, device=device, task=task, reducible=reducible, cpu_flags=p.cpu_flags(), name=model.name
-    )
+    """Put ``model`` in the precision ``settings`` ask for, checked; what was settled, and why.
+
+    The model is then final: its ``network_settled`` has run (float32 included).
+    """
+    target = _target(model, task, settings, device)
     if target == p.FLOAT32:
-        return p.Outcome(requested, p.FLOAT32)
+        p.finish(model)
+        return p.Outcome(settings.precision, p.FLOAT32)
     floor = floor_of(settings)
     if settings.run_dir is None:
         choice = p.check(model, task, target, floor)
@@ -60,6 +63,46 @@ def settle(model: Any, task: str, settings: Settings, device: str) -> p.Outcome:
 
         # The float32 network and the tried copies are gone; their blocks go back to the GPU.
         torch.cuda.empty_cache()
+    return _outcome(settings.precision, choice)
+
+
+def settle_before_fork(
+    model: Any, task: str, settings: Settings, check_env: Mapping[str, str | None]
+) -> p.Outcome:
+    """``settle`` for the gunicorn master, which must not run the model (service.host.preload).
+
+    A choice already in the service's directory is applied; otherwise a child
+    process (``python -m service.models.precision_cache``, in ``check_env``)
+    loads the model, checks it and leaves its choice, which is applied here.
+    The model is left unfinished: each worker finishes it (``precision.finish``).
+    """
+    target = _target(model, task, settings, "cpu")
+    if target == p.FLOAT32:
+        return p.Outcome(settings.precision, p.FLOAT32)
+    floor = floor_of(settings)
+    entry = _entry(settings, target, floor, "cpu") if settings.run_dir is not None else None
+    choice = _read(entry) if entry is not None else None
+    if choice is None:
+        choice = _check_in_child(settings, check_env)
+    p.apply(model, choice, finish=False)
+    return _outcome(settings.precision, choice)
+
+
+def _target(model: Any, task: str, settings: Settings, device: str) -> str:
+    # A kind may offer the methods and still hold a network it cannot swap (a
+    # sentence-transformers directory whose first module is not a transformer).
+    reducible = isinstance(model, p.Reducible) and bool(getattr(model, "reducible", True))
+    return p.resolve(
+        settings.precision,
+        device=device,
+        task=task,
+        reducible=reducible,
+        cpu_flags=p.cpu_flags(),
+        name=model.name,
+    )
+
+
+def _outcome(requested: str, choice: p.Choice) -> p.Outcome:
     return p.Outcome(
         requested,
         choice.precision,
@@ -79,7 +122,7 @@ WAIT_S = 600.0
 def _shared(
     model: Any, task: str, target: str, floor: p.Floor, *, settings: Settings, device: str
 ) -> p.Choice:
-    entry = Path(settings.run_dir or ".") / f"precision-{_key(settings.model, target, floor, device)}.json"
+    entry = _entry(settings, target, floor, device)
     with open(entry.with_suffix(".lock"), "w") as lock:
         # Held while the first worker checks: the others wait here, then read its entry.
         if not _take(lock, WAIT_S):
@@ -100,6 +143,57 @@ def _shared(
     p.apply(model, choice)
     log.info("precision %s as the service's check chose it (%s)", choice.precision, entry)
     return choice
+
+
+def _entry(settings: Settings, target: str, floor: p.Floor, device: str) -> Path:
+    return Path(settings.run_dir or ".") / f"precision-{_key(settings.model, target, floor, device)}.json"
+
+
+def _check_in_child(settings: Settings, env: Mapping[str, str | None]) -> p.Choice:
+    """The choice a child process's check makes (see ``settle_before_fork``); raises if it fails."""
+    with tempfile.TemporaryDirectory(prefix="serve-precision-") as scratch:
+        out = Path(scratch) / "choice.json"
+        child_env = {**os.environ, **{k: v for k, v in env.items() if v is not None}}
+        # This package, wherever the master's working directory is (gunicorn --chdir).
+        root = str(Path(__file__).resolve().parents[2])
+        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, child_env.get("PYTHONPATH")]))
+        for name in (k for k, v in env.items() if v is None):
+            child_env.pop(name, None)
+        log.info("checking precision %s in a child process, before the workers start", settings.precision)
+        done = subprocess.run(
+            [sys.executable, "-m", __name__, str(out)],
+            env=child_env,
+            stdout=subprocess.DEVNULL,  # its log goes to the master's stderr, as it happens
+            timeout=WAIT_S,
+            check=False,
+        )
+        if done.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"the precision check failed (exit status {done.returncode}); see its log above")
+        choice = _read(out)
+    if choice is None:
+        raise RuntimeError("the precision check left no choice")
+    return choice
+
+
+def main(argv: list[str]) -> int:
+    """The child's side of ``_check_in_child``: load, settle (checked, shared), write the choice."""
+    from service.models import load_model
+    from service.models.base import task_of
+    from service.runtime import configure_torch
+
+    logging.basicConfig(level=logging.INFO, format="[precision check %(process)d] %(levelname)s %(message)s")
+    settings = Settings.from_env()
+    configure_torch(settings.torch_threads)
+    model = load_model(settings, "cpu", may_run=False)
+    task = task_of(model)
+    target = _target(model, task, settings, "cpu")
+    floor = floor_of(settings)
+    if settings.run_dir is None:
+        choice = p.check(model, task, target, floor)
+    else:
+        choice = _shared(model, task, target, floor, settings=settings, device="cpu")
+    Path(argv[0]).write_text(json.dumps(dataclasses.asdict(choice)))
+    return 0
 
 
 def _key(model: str, target: str, floor: p.Floor, device: str) -> str:
@@ -141,3 +235,7 @@ def _read(entry: Path) -> p.Choice | None:
     except (OSError, ValueError, TypeError) as exc:
         log.warning("the precision entry %s cannot be read (%s); checking again", entry, exc)
         return None
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -110,9 +110,23 @@ def test_sigterm_stops_cleanly() -> None:
 
 
 def test_a_model_that_fails_to_load_stops_the_service_with_the_reason_in_the_log() -> None:
+    # Built once in the master (service.host.preload): it stops before any worker starts.
+    code, log = gunicorn_exit({"SERVE_MODEL": "tests.support.models:unloadable", "SERVE_WORKERS": "4"})
+    assert code == 3, log  # gunicorn's WORKER_BOOT_ERROR, as when a worker cannot load it
+    assert "stopping the service: model 'tests.support.models:unloadable' failed to load" in log
+    assert SECRET_PATH in log
+    assert "Booting worker" not in log
+
+
+def test_a_model_that_fails_to_load_in_its_workers_stops_the_service_with_the_reason_in_the_log() -> None:
     # Four workers fail at once: only one reports the boot error, since a second one,
     # reaped while the master halts, would turn gunicorn's exit code 3 into 1.
-    code, log = gunicorn_exit({"SERVE_MODEL": "tests.support.models:unloadable", "SERVE_WORKERS": "4"})
+    env = {
+        "SERVE_MODEL": "tests.support.models:unloadable",
+        "SERVE_WORKERS": "4",
+        "SERVE_SHARE_WEIGHTS": "off",
+    }
+    code, log = gunicorn_exit(env)
     assert code == 3, log  # gunicorn's WORKER_BOOT_ERROR, passed on by the master
     assert "Reason: Worker failed to boot." in log
     assert log.count("exited with code 3") == 1, log

@@ -11,9 +11,13 @@ from scripts.common.launcher import LaunchError, ready_workers, serve
 
 pytestmark = pytest.mark.e2e
 
-# A model that takes 2 s to load, so that /readyz answers 200 for the first
-# worker well before the second has loaded.
-SLOW_START = {"SERVE_MODEL": "tests.support.models:scripted_slow_start", "SERVE_WORKERS": "2"}
+# A model that takes 2 s to load in each worker (not once in the master), so that
+# /readyz answers 200 for the first worker well before the second has loaded.
+SLOW_START = {
+    "SERVE_MODEL": "tests.support.models:scripted_slow_start",
+    "SERVE_WORKERS": "2",
+    "SERVE_SHARE_WEIGHTS": "off",
+}
 
 
 def service_env(serve_vars: dict[str, str]) -> dict[str, str]:

@@ -22,15 +22,16 @@ QUERY = "how long do cats sleep"
 DOCUMENTS = ["The stock market fell.", "Cats sleep up to sixteen hours a day.", "cats", "A cat naps."]
 
 
-@pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
+@pytest.mark.parametrize(("worker_class", "share"), [("gthread", "on"), ("gevent", "on"), ("gthread", "off")])
 def test_int8_is_served_on_both_routes_and_every_worker_reports_it(
-    model_dirs: dict[str, Path], worker_class: str
+    model_dirs: dict[str, Path], worker_class: str, share: str
 ) -> None:
     env = {
         "SERVE_MODEL": str(model_dirs["rerank"]),
         "SERVE_PRECISION": "int8",
         "SERVE_WORKERS": "2",
         "SERVE_WORKER_CLASS": worker_class,
+        "SERVE_SHARE_WEIGHTS": share,
         **LOOSE,
     }
     with gunicorn(env) as server:
@@ -49,8 +50,15 @@ def test_int8_is_served_on_both_routes_and_every_worker_reports_it(
             "max_score_diff",
             "top1_agreement",
         }
-        # One worker checked; the other applied its choice.
-        assert server.log().count("as the service's check chose it") == 1
+        if share == "off":
+            # One worker checked; the other applied its choice.
+            assert server.log().count("as the service's check chose it") == 1
+        else:
+            # A child of the master checked (the master never runs the model); the
+            # master applied its choice to the one copy both workers share.
+            assert server.log().count("checking precision int8 in a child process") == 1
+            assert "as the service's check chose it" not in server.log()
+            assert info["shared_weights"] is True
 
 
 def test_under_the_floor_the_service_falls_back_to_float32_and_says_why(model_dirs: dict[str, Path]) -> None:

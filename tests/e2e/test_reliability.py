@@ -219,7 +219,13 @@ def test_sigterm_finishes_every_queued_and_running_request(worker_class: str) ->
 
 def test_sighup_replaces_workers_without_a_failed_request() -> None:
     # Workers that take 2 s to load: a reload must not route requests to them meanwhile.
-    env = {**SCRIPTED, "SERVE_MODEL": "tests.support.models:scripted_slow_start", "SERVE_WORKERS": "2"}
+    # Built in each worker (not once in the master), so that each new worker does take them.
+    env = {
+        **SCRIPTED,
+        "SERVE_MODEL": "tests.support.models:scripted_slow_start",
+        "SERVE_WORKERS": "2",
+        "SERVE_SHARE_WEIGHTS": "off",
+    }
     with gunicorn(env) as server:
         old = set(server.workers())
         load = Load(server, clients=4, item="sleep:0.05")
@@ -243,6 +249,7 @@ def test_workers_replaced_after_max_requests_fail_no_request() -> None:
         "SERVE_MODEL": "tests.support.models:scripted_slow_start",
         "SERVE_WORKERS": "2",
         "SERVE_MAX_REQUESTS": "30",
+        "SERVE_SHARE_WEIGHTS": "off",  # each replacement loads for itself
     }
     with gunicorn(env) as server:
         first = set(server.workers())
