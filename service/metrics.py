@@ -418,6 +418,7 @@ def resident_bytes() -> int:
 
 @dataclass(frozen=True)
 class Rollup:
+    rss: int
     pss: int
     private: int
 
@@ -438,7 +439,7 @@ def memory_rollup(pid: int | str = "self") -> Rollup | None:
     if b"Pss" not in fields:
         return None
     private = fields.get(b"Private_Clean", 0) + fields.get(b"Private_Dirty", 0)
-    return Rollup(pss=fields[b"Pss"], private=private)
+    return Rollup(rss=fields.get(b"Rss", 0), pss=fields[b"Pss"], private=private)
 
 
 def cuda_memory(device: str) -> tuple[int, int]:
