@@ -3,7 +3,9 @@
 A thin shell: it reads the settings and the machine, plans the worker topology
 (service.topology; ``python -m service.topology`` prints the same plan) and wires
 gunicorn's hooks. Everything here runs in the gunicorn master, which must never
-import torch or touch CUDA: each worker builds its model in ``wsgi.create_app()``.
+touch CUDA or run the model: for CPU workers it builds the model once before the
+first fork (service.host.preload), and each worker finishes it in
+``wsgi.create_app()``; GPU workers, or SERVE_SHARE_WEIGHTS=off, build their own there.
 
 Each hook below calls one helper per concern; add a concern by adding a line.
 """
