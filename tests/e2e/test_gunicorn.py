@@ -152,10 +152,12 @@ def test_a_model_that_cannot_exist_stops_the_master_before_any_worker(
 
 def test_a_gevent_worker_loads_a_model_that_starts_a_process_while_loading() -> None:
     # The model loads in a native thread; gevent's own subprocess works only on the main hub.
+    # Built in the worker (with sharing on, the master builds it, before gevent patches anything).
     env = {
         "SERVE_WORKER_CLASS": "gevent",
         "SERVE_WORKERS": "1",
         "SERVE_MODEL": "tests.support.models:spawning",
+        "SERVE_SHARE_WEIGHTS": "off",
     }
     with gunicorn(env) as server:
         response = server.post("/predict/batched", json={"inputs": ["four"]})
