@@ -10,7 +10,7 @@ from service.topology, planned on the CPUs and GPUs the pod asks for:
   terminationGracePeriodSeconds;
 - the resources: whole CPUs, requested and limited alike, so the cgroup quota
   the inventory reads is exactly the cores planned for; memory per planned
-  worker; GPUs per pod;
+  worker, plus the model's one copy when CPU workers share it; GPUs per pod;
 - the autoscaler's target, per worker, and the prometheus-adapter rule that
   exposes it.
 
@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from service.errors import SettingsError  # noqa: E402
+from service.host import preload  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from service.topology.inventory import Gpu, Inventory  # noqa: E402
 from service.topology.plan import Plan, plan  # noqa: E402
@@ -55,14 +56,35 @@ UID = 10001
 PRESTOP_SLEEP_S = 10
 # Beyond preStop + graceful timeout: for gunicorn's master to reap its workers and exit.
 EXIT_MARGIN_S = 5
-# Measured: a MiniLM worker on the CPU levels off at about 575 MiB under ten
-# minutes of mixed-length text at capacity (docs/reliability.md, "Memory"); the
-# rest, 75% of that, is headroom for the longest inputs and larger batches. A GPU
-# worker also maps CUDA's libraries and keeps pinned host buffers. The master and
-# the tmpfs volumes fit in the base.
+# Memory. CPU workers share one copy of the model, built in the gunicorn master
+# (SERVE_SHARE_WEIGHTS, docs/topology.md, "Memory: one copy per host"), so a pod
+# holds the master and what it shares once, and each worker adds its private
+# memory: the pod's memory is the master's PSS plus the workers' (RSS would count
+# the shared copy once per worker). Measured with all-MiniLM-L6-v2, 2 workers, on
+# the 2-core development machine, from /proc/PID/smaps_rollup:
+# - after load, each worker holds about 72 MiB of its own, against 323 MiB when
+#   each builds its own model: about 270 MiB (the imports, the weights, the
+#   tokenizer) is held once, in the master, whose PSS is about 200 MiB;
+# - after 40 s at capacity (scripts/bench/memory.py --seconds 40), the workers'
+#   private memory was 96 and 89 MiB, the master's PSS 159 MiB and the service's
+#   PSS 614 MiB: 430 MiB held once (the master and its pages the workers share,
+#   torch's libraries included). MEMORY_SHARED_MIB is that with some margin.
+# - a worker's private memory grows to its plateau over the first minutes (the
+#   RSS runs of docs/reliability.md, "Memory", rose about 30 MiB after their
+#   first 10 s): about 125 MiB. MEMORY_PER_SHARING_WORKER_MIB adds to it the
+#   headroom each worker had before for the longest inputs and larger batches,
+#   about 450 MiB (its 1 GiB beyond its 575 MiB RSS plateau): activations are
+#   each worker's own, shared or not.
+# With SERVE_SHARE_WEIGHTS=off each worker builds its own model and levels off at
+# about 575 MiB of RSS under ten minutes of mixed-length text at capacity; 75% of
+# that again is the headroom. A GPU worker always builds its own, also maps CUDA's
+# libraries and keeps pinned host buffers. The tmpfs volumes (64 MiB each at most),
+# and the master when it builds no model, fit in the base.
+MEMORY_BASE_MIB = 256
+MEMORY_SHARED_MIB = 512
+MEMORY_PER_SHARING_WORKER_MIB = 576
 MEMORY_PER_WORKER_MIB = 1024
 MEMORY_PER_GPU_WORKER_MIB = 4096
-MEMORY_BASE_MIB = 256
 # Readiness every 5 s; the startup probe covers this long for the model to load.
 STARTUP_BUDGET_S = 300
 STARTUP_PERIOD_S = 5
@@ -88,8 +110,11 @@ class Options:
     cpus: int = 2
     gpus: int = 0
     gpu_memory_mib: int = 16384
-    # Default: MEMORY_PER_WORKER_MIB, or MEMORY_PER_GPU_WORKER_MIB with --gpus.
+    # Default: MEMORY_PER_SHARING_WORKER_MIB, MEMORY_PER_WORKER_MIB with
+    # SERVE_SHARE_WEIGHTS=off, or MEMORY_PER_GPU_WORKER_MIB with --gpus.
     memory_per_worker_mib: int | None = None
+    # Held once, when CPU workers share the model. Default: MEMORY_SHARED_MIB.
+    memory_shared_mib: int | None = None
     min_replicas: int = 2
     max_replicas: int = 10
     target_per_worker: int = HPA_TARGET_PER_WORKER
@@ -115,6 +140,36 @@ def grace_period_s(settings: Settings, options: Options) -> int:
     return PRESTOP_SLEEP_S + pod_plan(settings, options).graceful_timeout_s + EXIT_MARGIN_S
 
 
+def memory_mib(settings: Settings, options: Options, topology: Plan) -> tuple[int, str]:
+    """The pod's memory request (and limit), and how it adds up."""
+    workers = len(topology.workers)
+    if preload.wanted(settings, (worker.device for worker in topology.workers)):
+        shared = options.memory_shared_mib or MEMORY_SHARED_MIB
+        per_worker = options.memory_per_worker_mib or MEMORY_PER_SHARING_WORKER_MIB
+        total = MEMORY_BASE_MIB + shared + workers * per_worker
+        why = (
+            f"{MEMORY_BASE_MIB} MiB + {shared} MiB held once (the model the workers share)"
+            f" + {per_worker} MiB per worker x {workers}"
+        )
+        return total, why
+    if options.gpus:
+        per_worker, each = options.memory_per_worker_mib or MEMORY_PER_GPU_WORKER_MIB, "GPU worker"
+    else:
+        per_worker, each = options.memory_per_worker_mib or MEMORY_PER_WORKER_MIB, "worker"
+    why = (
+        f"{MEMORY_BASE_MIB} MiB + {per_worker} MiB per worker x {workers} (each {each} builds its own model)"
+    )
+    return MEMORY_BASE_MIB + workers * per_worker, why
+
+
+def notes(settings: Settings, options: Options) -> dict[str, str]:
+    """File name -> a comment for its header: how the deployment's memory adds up."""
+    total, why = memory_mib(settings, options, pod_plan(settings, options))
+    return {
+        "deployment.yaml": f"memory {total} MiB = {why}; why: scripts/deploy/render_k8s.py, MEMORY_*",
+    }
+
+
 def manifests(settings: Settings, options: Options, env: Mapping[str, str]) -> dict[str, dict[str, Any]]:
     """File name -> manifest. Pure: ``env`` holds the SERVE_* variables the pods get."""
     _check(settings, options, env)
@@ -135,11 +190,7 @@ def _labels() -> dict[str, str]:
 def _deployment(
     settings: Settings, options: Options, env: Mapping[str, str], topology: Plan
 ) -> dict[str, Any]:
-    workers = len(topology.workers)
-    per_worker = options.memory_per_worker_mib or (
-        MEMORY_PER_GPU_WORKER_MIB if options.gpus else MEMORY_PER_WORKER_MIB
-    )
-    memory = f"{MEMORY_BASE_MIB + workers * per_worker}Mi"
+    memory = f"{memory_mib(settings, options, topology)[0]}Mi"
     resources: dict[str, dict[str, Any]] = {
         # Requests equal to limits: the Guaranteed class, never throttled below what was planned.
         "requests": {"cpu": str(options.cpus), "memory": memory},
@@ -340,8 +391,13 @@ def _check(settings: Settings, options: Options, env: Mapping[str, str]) -> None
             f"--min-replicas ({options.min_replicas}) must be at least 1 and at most --max-replicas "
             f"({options.max_replicas})"
         )
-    if options.target_per_worker < 1 or (options.memory_per_worker_mib or 1) < 1:
-        raise SettingsError("--target-per-worker and --memory-per-worker-mib must be positive")
+    if (
+        options.target_per_worker < 1
+        or min(options.memory_per_worker_mib or 1, options.memory_shared_mib or 1) < 1
+    ):
+        raise SettingsError(
+            "--target-per-worker, --memory-per-worker-mib and --memory-shared-mib must be positive"
+        )
     if settings.devices == "cpu" and options.gpus:
         raise SettingsError("SERVE_DEVICES=cpu with --gpus: the pod would hold GPUs it never uses")
 
@@ -358,12 +414,20 @@ def _text_block(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
 _Dumper.add_representer(str, _text_block)
 
 
-def render(docs: Mapping[str, dict[str, Any]], command: str) -> dict[str, str]:
-    """File name -> YAML text, each with a header naming the command that made it."""
+def render(
+    docs: Mapping[str, dict[str, Any]], command: str, comments: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """File name -> YAML text, each with a header naming the command that made it (and its comment)."""
     header = (
         f"# Rendered by scripts/deploy/render_k8s.py; edit the settings and render again:\n#   {command}\n"
     )
-    return {name: header + yaml.dump(doc, Dumper=_Dumper, sort_keys=False) for name, doc in docs.items()}
+    comments = comments or {}
+    return {
+        name: header
+        + (f"# {comments[name]}\n" if name in comments else "")
+        + yaml.dump(doc, Dumper=_Dumper, sort_keys=False)
+        for name, doc in docs.items()
+    }
 
 
 def serve_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -391,7 +455,15 @@ def parse_args(argv: Sequence[str]) -> tuple[Options, Path]:
     parser.add_argument(
         "--memory-per-worker-mib",
         type=int,
-        help=f"(default {MEMORY_PER_WORKER_MIB}, or {MEMORY_PER_GPU_WORKER_MIB} with --gpus)",
+        help=(
+            f"(default {MEMORY_PER_SHARING_WORKER_MIB} when CPU workers share the model,"
+            f" {MEMORY_PER_WORKER_MIB} with SERVE_SHARE_WEIGHTS=off, {MEMORY_PER_GPU_WORKER_MIB} with --gpus)"
+        ),
+    )
+    parser.add_argument(
+        "--memory-shared-mib",
+        type=int,
+        help=f"held once when CPU workers share the model (default {MEMORY_SHARED_MIB})",
     )
     parser.add_argument("--min-replicas", type=int, default=default.min_replicas)
     parser.add_argument("--max-replicas", type=int, default=default.max_replicas)
@@ -409,6 +481,7 @@ def parse_args(argv: Sequence[str]) -> tuple[Options, Path]:
         gpus=args.gpus,
         gpu_memory_mib=args.gpu_memory_mib,
         memory_per_worker_mib=args.memory_per_worker_mib,
+        memory_shared_mib=args.memory_shared_mib,
         min_replicas=args.min_replicas,
         max_replicas=args.max_replicas,
         target_per_worker=args.target_per_worker,
@@ -440,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     resolved = output.resolve()
     shown = resolved.relative_to(ROOT) if resolved.is_relative_to(ROOT) else output
     output.mkdir(parents=True, exist_ok=True)
-    for name, text in render(docs, command_line(options, env, str(shown))).items():
+    for name, text in render(docs, command_line(options, env, str(shown)), notes(settings, options)).items():
         (output / name).write_text(text)
     return 0
 

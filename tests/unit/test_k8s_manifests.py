@@ -13,7 +13,20 @@ import pytest
 import yaml
 
 from scripts.deploy import render_k8s
-from scripts.deploy.render_k8s import K8S_DIR, Options, grace_period_s, manifests, pod_plan, render
+from scripts.deploy.render_k8s import (
+    K8S_DIR,
+    MEMORY_BASE_MIB,
+    MEMORY_PER_GPU_WORKER_MIB,
+    MEMORY_PER_SHARING_WORKER_MIB,
+    MEMORY_PER_WORKER_MIB,
+    MEMORY_SHARED_MIB,
+    Options,
+    grace_period_s,
+    manifests,
+    notes,
+    pod_plan,
+    render,
+)
 from service.errors import SettingsError
 from service.settings import Settings
 from tests.support.prometheus import PROMTOOL, RULE_FILES, SKIP_PROMTOOL, promtool
@@ -35,8 +48,9 @@ def committed(directory: Path) -> dict[str, str]:
 
 def rendered(options: Options, output: str, env: dict[str, str] | None = None) -> dict[str, str]:
     env = env or {}
-    docs = manifests(Settings.from_env(env), options, env)
-    return render(docs, render_k8s.command_line(options, env, output))
+    settings = Settings.from_env(env)
+    docs = manifests(settings, options, env)
+    return render(docs, render_k8s.command_line(options, env, output), notes(settings, options))
 
 
 def validate(paths: list[Path]) -> None:
@@ -118,6 +132,39 @@ def test_cpu_resources_match_the_planned_topology(cpus: int) -> None:
     # The pod's quota is exactly the cores its workers' torch threads use.
     assert sum(worker.torch_threads for worker in plan.workers) == cpus
     assert "nvidia.com/gpu" not in resources["limits"]
+
+
+def memory(docs: dict[str, dict[str, object]]) -> int:
+    resources = container(docs)["resources"]
+    assert resources["requests"]["memory"] == resources["limits"]["memory"]
+    return int(resources["limits"]["memory"].removesuffix("Mi"))
+
+
+@pytest.mark.parametrize("cpus", [1, 2, 6])
+def test_cpu_workers_that_share_the_model_hold_it_once(cpus: int) -> None:
+    workers = len(pod_plan(Settings(), Options(cpus=cpus)).workers)
+    shared = memory(manifests(Settings(), Options(cpus=cpus), {}))
+    assert shared == MEMORY_BASE_MIB + MEMORY_SHARED_MIB + workers * MEMORY_PER_SHARING_WORKER_MIB
+    # Each worker builds its own: its copy in each worker, none held once.
+    env = {"SERVE_SHARE_WEIGHTS": "off"}
+    own = memory(manifests(Settings.from_env(env), Options(cpus=cpus), env))
+    assert own == MEMORY_BASE_MIB + workers * MEMORY_PER_WORKER_MIB
+    assert (shared < own) == (workers > 1)
+
+
+def test_memory_options_and_the_header_that_explains_it() -> None:
+    options = Options(memory_per_worker_mib=700, memory_shared_mib=900)
+    assert memory(manifests(Settings(), options, {})) == MEMORY_BASE_MIB + 900 + 2 * 700
+    header = rendered(options, "out")["deployment.yaml"].splitlines()[2]
+    assert header == (
+        f"# memory {MEMORY_BASE_MIB + 900 + 1400} MiB = {MEMORY_BASE_MIB} MiB + 900 MiB held once"
+        " (the model the workers share) + 700 MiB per worker x 2; why: scripts/deploy/render_k8s.py, MEMORY_*"
+    )
+    # GPU workers each build their own model: nothing is held once.
+    gpu = Options(cpus=4, gpus=2)
+    assert memory(manifests(Settings(), gpu, {})) == MEMORY_BASE_MIB + 2 * MEMORY_PER_GPU_WORKER_MIB
+    with pytest.raises(SettingsError, match="--memory-shared-mib"):
+        manifests(Settings(), Options(memory_shared_mib=-1), {})
 
 
 def test_gpu_variant_requests_gpus_and_plans_a_worker_on_each() -> None:
