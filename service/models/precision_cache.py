@@ -168,7 +168,9 @@ def _check_in_child(settings: Settings, env: Mapping[str, str | None]) -> p.Choi
             check=False,
         )
         if done.returncode != 0 or not out.is_file():
-            raise RuntimeError(f"the precision check failed (exit status {done.returncode}); see its log above")
+            raise RuntimeError(
+                f"the precision check failed (exit status {done.returncode}); see its log above"
+            )
         choice = _read(out)
     if choice is None:
         raise RuntimeError("the precision check left no choice")
