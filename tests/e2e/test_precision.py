@@ -38,7 +38,11 @@ def test_int8_is_served_on_both_routes_and_every_worker_reports_it(
         info = server.get("/info").json()
         assert info["precision"]["requested"] == "int8" and info["precision"]["in_use"] == "int8"
         assert info["precision"]["quantized_layers"] > 0
-        assert set(info["precision"]["exactness"]) == {"max_score_diff", "top1_agreement"}
+        assert set(info["precision"]["exactness"]) == {
+            "max_score_diff",
+            "top1_agreement",
+            "top1_kept_with_margin",
+        }
         for route in ("/rerank/naive", "/rerank/batched"):
             response = server.post(route, json={"query": QUERY, "documents": DOCUMENTS})
             assert response.status_code == 200, response.text
@@ -49,6 +53,7 @@ def test_int8_is_served_on_both_routes_and_every_worker_reports_it(
         assert {s["figure"] for s in scrape.series("serve_model_exactness")} == {
             "max_score_diff",
             "top1_agreement",
+            "top1_kept_with_margin",
         }
         if share == "off":
             # One worker checked; the other applied its choice.

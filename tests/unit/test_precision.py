@@ -94,7 +94,24 @@ def test_rerank_compares_each_querys_top_document_and_the_scores() -> None:
     reference = np.array([0.9, 0.1, 0.2, 0.8])  # two queries of two documents
     reduced = np.array([0.85, 0.2, 0.7, 0.6])  # the second query's top changed
     figures = p.compare("rerank", reference, reduced, group=2)
-    assert figures == {"max_score_diff": pytest.approx(0.5), "top1_agreement": 0.5}
+    # The first query kept its top document, but its lead (0.8) is under twice the largest move (1.0).
+    assert figures == {
+        "max_score_diff": pytest.approx(0.5),
+        "top1_agreement": 0.5,
+        "top1_kept_with_margin": 0,
+    }
+
+
+def test_a_rerank_top_document_counts_as_kept_with_margin_only_when_no_two_moves_could_reorder_it() -> None:
+    reference = np.array([0.9, 0.1, 0.5, 0.45, 2.0, 1.0])  # leads of 0.8, 0.05 and 1.0
+    reduced = reference + np.array([0.02, -0.03, 0.03, 0.0, -0.01, 0.0])  # every top kept; moves up to 0.03
+    figures = p.compare("rerank", reference, reduced, group=2)
+    assert figures["top1_agreement"] == 1
+    # The second query's lead (0.05) is under twice 0.03: a query like it could flip.
+    assert figures["top1_kept_with_margin"] == pytest.approx(2 / 3)
+    reason = p.shortfall(figures, p.Floor())
+    assert reason is not None and reason.startswith("top1_kept_with_margin 0.6667 is under 0.95")
+    assert "SERVE_PRECISION_MIN_TOP1" in reason
 
 
 def test_classification_compares_labels_by_name() -> None:
