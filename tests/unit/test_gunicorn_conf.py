@@ -90,8 +90,8 @@ def test_a_bad_setting_stops_gunicorn_with_a_message_naming_it(environ: dict[str
         runpy.run_path(CONF)
 
 
-def test_the_master_never_imports_torch_or_numpy() -> None:
-    # numpy in the master would size its BLAS pool before a worker's OMP_NUM_THREADS applies.
+def test_the_master_imports_neither_torch_nor_numpy_to_plan_and_check() -> None:
+    # Only _preload, on CPU plans, imports them (with one thread for every pool: service.host.preload).
     code = (
         f"import runpy, sys; conf = runpy.run_path({CONF!r}); conf['_check_model']();"
         "print('torch' in sys.modules, 'numpy' in sys.modules)"
@@ -101,6 +101,47 @@ def test_the_master_never_imports_torch_or_numpy() -> None:
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "False False"
+
+
+def test_a_gpu_plan_builds_nothing_in_the_master() -> None:
+    # GPU weights cannot pass through a fork, and CUDA must not start in the master: each
+    # worker builds its own copy. The GPU is faked (none here); nothing runs on it.
+    code = f"""
+import logging, runpy, sys
+from service.topology import inventory
+from service.topology.inventory import Gpu, Inventory
+inventory.read_inventory = lambda cuda_visible_devices=None: Inventory(
+    affinity_cores=8, gpus=(Gpu(0, "GPU-0000", "H100", 81_559, 80_000),)
+)
+conf = runpy.run_path({CONF!r})
+class Arbiter:
+    log = logging.getLogger("test")
+conf["_preload"](Arbiter())
+print(conf["plan"].workers[0].device, "torch" in sys.modules)
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")}
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "cuda:0 False"
+
+
+def test_sharing_is_wanted_on_cpu_plans_with_it_on_and_the_model_is_taken_only_by_a_cpu_worker_of_its_spec(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from service.host import preload
+    from service.models.precision import Outcome
+    from service.settings import Settings
+
+    on, off = Settings(), Settings(share_weights=False)
+    assert preload.wanted(on, ["cpu", "cpu"])
+    assert not preload.wanted(off, ["cpu"])
+    assert not preload.wanted(on, ["cpu", "cuda:0"])
+    held = preload.Preloaded("minilm", object(), Outcome("auto", "float32"), 1.0)  # type: ignore[arg-type]
+    monkeypatch.setattr(preload, "_held", held)
+    assert preload.take(on, "cpu") is held
+    assert preload.take(on, "cuda") is None
+    assert preload.take(Settings(model="mlp"), "cpu") is None
 
 
 def test_a_reload_plans_from_the_inventory_read_at_start(
