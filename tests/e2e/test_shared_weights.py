@@ -11,13 +11,14 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from service.metrics import memory_rollup
+from tests.e2e.test_reliability import eventually
 from tests.support.metrics import Scrape
 from tests.support.server import Server, gunicorn
 
@@ -32,14 +33,6 @@ SENTENCES = [
     "Sharing the weights between workers keeps memory flat as workers are added. " * 6,
 ]
 ROUTES = ("/predict/naive", "/predict/batched")
-
-
-def eventually(condition: Callable[[], bool], what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        time.sleep(0.2)
 
 
 def answers(server: Server) -> dict[str, np.ndarray]:
