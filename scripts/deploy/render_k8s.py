@@ -65,13 +65,15 @@ EXIT_MARGIN_S = 5
 # - after load, each worker holds about 72 MiB of its own, against 323 MiB when
 #   each builds its own model: about 270 MiB (the imports, the weights, the
 #   tokenizer) is held once, in the master, whose PSS is about 200 MiB;
-# - after 40 s at capacity (scripts/bench/memory.py --seconds 40), the workers'
-#   private memory was 96 and 89 MiB, the master's PSS 159 MiB and the service's
-#   PSS 614 MiB: 430 MiB held once (the master and its pages the workers share,
-#   torch's libraries included). MEMORY_SHARED_MIB is that with some margin.
-# - a worker's private memory grows to its plateau over the first minutes (the
-#   RSS runs of docs/reliability.md, "Memory", rose about 30 MiB after their
-#   first 10 s): about 125 MiB. MEMORY_PER_SHARING_WORKER_MIB adds to it the
+# - over 10 minutes at capacity (scripts/bench/memory.py --seconds 600; medians
+#   of the last 5 minutes), the workers' private memory was 100 and 93 MiB, the
+#   master's PSS 198 MiB and the service's PSS 684 MiB: 491 MiB held once (the
+#   master and its pages the workers share, torch's libraries included), flat
+#   (-1.0% over the last half). MEMORY_SHARED_MIB is that, rounded up; the base
+#   adds the rest of the margin.
+# - a worker's private memory moves within about 10 MiB of its plateau as batches
+#   of different shapes come and go (up to 111 MiB in that run): about 125 MiB
+#   with margin. MEMORY_PER_SHARING_WORKER_MIB adds to it the
 #   headroom each worker had before for the longest inputs and larger batches,
 #   about 450 MiB (its 1 GiB beyond its 575 MiB RSS plateau): activations are
 #   each worker's own, shared or not.
