@@ -255,7 +255,7 @@ class Settings:
     worker_connections: int | None = None
     balance_connections: bool = True
     # On CPU workers: build the model once in the gunicorn master, before the
-    # fork, so that every worker shares its pages (service.models.preload).
+    # fork, so that every worker shares its pages (service.host.preload).
     share_weights: bool = True
     # Hold a refused client's connection before reading its next request (service.host.hold).
     hold_refused: bool = True

@@ -56,16 +56,19 @@ def bodies(seed: int = 0, count: int = 400) -> tuple[list[bytes], float]:
 
 def memory(master: int, workers: list[int]) -> dict[str, float]:
     """The service's memory as it is: PSS of the master and workers, each worker's private memory, RSS."""
-    rollups = {pid: memory_rollup(pid) for pid in [master, *workers]}
-    if any(rollup is None for rollup in rollups.values()):
-        raise RuntimeError(f"cannot read /proc/PID/smaps_rollup of {sorted(rollups)}")
-    worker_private = [rollups[pid].private / MIB for pid in workers]  # type: ignore[union-attr]
+    rollups = {}
+    for pid in [master, *workers]:
+        rollup = memory_rollup(pid)
+        if rollup is None:
+            raise RuntimeError(f"cannot read /proc/{pid}/smaps_rollup")
+        rollups[pid] = rollup
+    worker_private = [rollups[pid].private / MIB for pid in workers]
     return {
-        "service_pss_mib": sum(r.pss for r in rollups.values()) / MIB,  # type: ignore[union-attr]
-        "master_pss_mib": rollups[master].pss / MIB,  # type: ignore[union-attr]
+        "service_pss_mib": sum(r.pss for r in rollups.values()) / MIB,
+        "master_pss_mib": rollups[master].pss / MIB,
         "worker_private_mib_max": max(worker_private),
         "worker_private_mib_mean": statistics.mean(worker_private),
-        "rss_sum_mib": sum(r.rss for r in rollups.values()) / MIB,  # type: ignore[union-attr]
+        "rss_sum_mib": sum(r.rss for r in rollups.values()) / MIB,
     }
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import logging
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -41,8 +40,6 @@ if TYPE_CHECKING:
     from service.models.base import Model
     from service.models.precision import Outcome
     from service.settings import Settings
-
-log = logging.getLogger(__name__)
 
 # The master's environment while it builds: one thread for every pool that
 # reads one at load (torch's OpenMP and MKL, numpy's BLAS), no GPU, and no

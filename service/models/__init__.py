@@ -15,7 +15,7 @@ def load_model(settings: Settings, device: str, *, may_run: bool = True) -> Mode
     """Build the model ``settings.model`` names, on ``device``: once per worker, or once in the master.
 
     ``may_run=False`` builds it without running it (no trace, no warm-up), as
-    the gunicorn master must (service.models.preload); ``network_settled``
+    the gunicorn master must (service.host.preload); ``network_settled``
     finishes it where it runs.
     """
     spec = settings.model

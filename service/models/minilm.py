@@ -50,7 +50,7 @@ class MiniLMModel:
         self._pad_id = self._tokenizer.pad_token_id or 0
         self._encoder = AutoModel.from_pretrained(path, local_files_only=True).eval().to(device)
         # Tracing runs the model; the gunicorn master, which must not, builds it
-        # eager and each worker traces it (network_settled, service.models.preload).
+        # eager and each worker traces it (network_settled, service.host.preload).
         self._embed = self._trace(self._encoder) if trace else _Embedder(self._encoder).eval()
 
     def _trace(self, encoder: torch.nn.Module) -> Any:

@@ -515,7 +515,7 @@ def apply(model: Any, choice: Choice, *, finish: bool = True) -> None:
 
     ``finish=False`` leaves the network untold that it is final (the built-in
     model would trace it, a forward pass): the gunicorn master applies a choice
-    that way before the fork, and each worker finishes it (service.models.preload).
+    that way before the fork, and each worker finishes it (service.host.preload).
     """
     if choice.precision == FLOAT32:
         return

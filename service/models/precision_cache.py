@@ -53,11 +53,7 @@ def settle(model: Any, task: str, settings: Settings, device: str) -> p.Outcome:
     if target == p.FLOAT32:
         p.finish(model)
         return p.Outcome(settings.precision, p.FLOAT32)
-    floor = floor_of(settings)
-    if settings.run_dir is None:
-        choice = p.check(model, task, target, floor)
-    else:
-        choice = _shared(model, task, target, floor, settings=settings, device=device)
+    choice = _choose(model, task, target, settings, device)
     if device.startswith("cuda"):
         import torch
 
@@ -86,6 +82,14 @@ def settle_before_fork(
         choice = _check_in_child(settings, check_env)
     p.apply(model, choice, finish=False)
     return _outcome(settings.precision, choice)
+
+
+def _choose(model: Any, task: str, target: str, settings: Settings, device: str) -> p.Choice:
+    """The checked choice: this process's own, or the service's, shared through its directory."""
+    floor = floor_of(settings)
+    if settings.run_dir is None:
+        return p.check(model, task, target, floor)
+    return _shared(model, task, target, floor, settings=settings, device=device)
 
 
 def _target(model: Any, task: str, settings: Settings, device: str) -> str:
@@ -188,12 +192,7 @@ def main(argv: list[str]) -> int:
     configure_torch(settings.torch_threads)
     model = load_model(settings, "cpu", may_run=False)
     task = task_of(model)
-    target = _target(model, task, settings, "cpu")
-    floor = floor_of(settings)
-    if settings.run_dir is None:
-        choice = p.check(model, task, target, floor)
-    else:
-        choice = _shared(model, task, target, floor, settings=settings, device="cpu")
+    choice = _choose(model, task, _target(model, task, settings, "cpu"), settings, "cpu")
     Path(argv[0]).write_text(json.dumps(dataclasses.asdict(choice)))
     return 0
 
