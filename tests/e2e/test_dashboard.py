@@ -37,8 +37,10 @@ pytestmark = [
 ]
 
 ARTIFACTS = ROOT / "test-artifacts" / "dashboard"
-# Short steps keep the test short; each still spans several readings of /metrics.
-STEP_SECONDS = 5
+# Short steps keep the test short; each must still span two readings of /metrics. At 64
+# naive users a reading waits behind their requests (up to about 3 s on a busy 2-core
+# machine), and a 5 s step once held only one: the step had no row.
+STEP_SECONDS = 8
 METRICS_INTERVAL_S = 1
 STEPS = (1, 8, 32, 64)  # StepLoad's users per route
 ROUTES = ("/predict/batched", "/predict/naive")
