@@ -2,27 +2,38 @@
 """Check the GPU paths on a host with NVIDIA GPUs, and print a markdown report.
 
     .venv/bin/python scripts/bench/gpu_check.py                  # every GPU, default model
-    .venv/bin/python scripts/bench/gpu_check.py --out gpu-report.md --concurrency 1,8,64 --seconds 10
+    .venv/bin/python scripts/bench/gpu_check.py --out gpu-report.md --speed-model DIR --seconds 8
+
+On a GPU host that reaches no package registry, scripts/bench/gpu_run.py runs it in one
+command within 5 minutes, from what scripts/bench/gpu_pack.py prepared beforehand.
 
 In order, each step on the GPUs the inventory shows (``CUDA_VISIBLE_DEVICES`` narrows them):
 
 1. the inventory through NVML (service.topology.inventory) and the plan gunicorn will apply;
 2. the model's activation memory per padded token (``SERVE_TOKEN_MEMORY_KB``): the peak of
-   ``torch.cuda.max_memory_allocated`` over a few batch shapes, in a spawned process;
+   ``torch.cuda.max_memory_allocated`` over a few batch shapes, in a spawned process, in the
+   precision the workers settle;
 3. gunicorn with 2 or more workers per GPU (more if needed, so that one call of the largest
    batch the settings allow outgrows a worker's share): each worker's /info against the plan
    (slot, device, memory fraction), its GPU by UUID against NVML's list of processes, then in
-   each worker in turn a naive request past its share, which must fail alone with the
-   service's 503 while that worker and every other one keeps serving;
-4. the naive/batched sweep of scripts/bench/bench.py on the first GPU against the offline limit of
-   scripts/bench/offline.py on the same GPU, in the precision the service settles (``SERVE_PRECISION``,
-   float16 for a text model by default);
-5. float16 against float32 on the first GPU, for a text model: texts/s on the project's corpus in
-   batches of 32 sorted by length, the weights' memory, and the exactness figures of the check the
-   service runs at start (scripts/bench/precision.py): float16 must be kept, faster and smaller.
+   ``--overruns`` workers (default: each) a naive request past its share, which must fail
+   alone with the service's 503 while that worker and every other one keeps serving;
+4. exactness, for a text model, on the first GPU: float16 against float32, the figures of the
+   check the service runs at start and the same measures over the project's corpus
+   (scripts/bench/precision.py); float16 must be kept and hold less memory;
+5. speed on the first GPU, on ``--speed-model`` (default: the model), texts longer than its
+   token limit: in float32, then in float16, the offline limit against the batcher without
+   HTTP in ``--workers-per-device`` processes, as scripts/bench/bench.py measures them
+   (scripts/bench/gpu_speed.py), and each process's GPU memory; float16 must be faster and
+   smaller, and the batcher reach 0.9 x the offline limit.
 
-Exits 0 when every check passes, 1 when one fails, 2 when there is no GPU (one line says so)
-or the settings cannot be used.
+A step that raises is reported as failed and the next one runs. With ``--deadline S`` no step
+starts that would not end within S seconds of the start: it is reported as not verified, and
+the speed step's measured seconds shrink to fit. With ``--out`` the report is rewritten after
+every step, so that a run stopped from outside leaves what it reached.
+
+Exits 0 when every check passes, 1 when one fails, 2 when there is no GPU (one line says so;
+``--out`` gets a report that says so too) or the settings cannot be used.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -44,6 +56,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from scripts.bench.gpu_report import Check, Report, format_report  # noqa: E402
+from scripts.bench.gpu_speed import SPEED_MOST_S, speed_seconds, speed_step  # noqa: E402
 from service.errors import SettingsError  # noqa: E402
 from service.settings import Settings, cuda_visible_devices  # noqa: E402
 from service.topology.inventory import Gpu, Inventory, read_inventory  # noqa: E402
@@ -64,17 +78,14 @@ OVERRUN_FACTOR = 1.5
 # from its own NVML reading, taken moments after this script's.
 FRACTION_TOLERANCE = 0.002
 MIB = 1 << 20
+# Seconds each step takes at most on one H100-class GPU host with 16 cores, spawned
+# processes' imports of torch included. Estimates, not yet measured there: each report
+# gives the time every step took. A step is not started with less than this left.
+NEEDS_S = {"token memory": 25.0, "workers": 60.0, "exactness": 30.0}
 
 
 class CheckError(RuntimeError):
-    """What a worker answered cannot be read as the service's /info."""
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    ok: bool | None  # None: could not be verified here, and the detail says why
-    detail: str
+    """The service did not start, or what a worker answered cannot be read as its /info."""
 
 
 @dataclass(frozen=True)
@@ -227,29 +238,6 @@ def judge_overrun(
     return Check("overrun", True, facts + "; 503 alone, worker kept serving")
 
 
-def sweep_check(rows: list[Any], offline_items_per_s: float, clients: int = 64, need: float = 0.9) -> Check:
-    """Batched throughput at ``clients`` against the offline limit on the same GPU."""
-    found = [r for r in rows if r.route == "batched" and r.clients == clients]
-    name = f"batched >= {need:g} x offline at {clients} clients"
-    if not found:
-        return Check(name, None, f"the sweep ran no batched level of {clients} clients")
-    ratio = found[0].items_per_s / offline_items_per_s
-    return Check(
-        name, ratio >= need, f"{found[0].items_per_s:.0f} / {offline_items_per_s:.0f} items/s = {ratio:.2f} x"
-    )
-
-
-def format_report(title: str, sections: list[tuple[str, str]], checks: list[Check]) -> str:
-    """The report as markdown: the sections in order, then every check with its verdict."""
-    verdict = {True: "pass", False: "FAIL", None: "not verified"}
-    lines = [f"# {title}", ""]
-    for heading, body in sections:
-        lines += [f"## {heading}", "", body.rstrip(), ""]
-    lines += ["## Checks", "", "| check | result | detail |", "| --- | --- | --- |"]
-    lines += [f"| {c.name} | {verdict[c.ok]} | {c.detail.replace('|', '/')} |" for c in checks]
-    return "\n".join(lines) + "\n"
-
-
 def samples_table(samples: list[Sample]) -> str:
     lines = [
         "| rows | padded tokens | peak above base MiB | KiB per token |",
@@ -266,80 +254,143 @@ def samples_table(samples: list[Sample]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    started = time.monotonic()
     env = dict(os.environ)
     if args.model:
         env["SERVE_MODEL"] = args.model
+    out = Path(args.out) if args.out else None
     inventory = read_inventory(cuda_visible_devices(env))
     if not inventory.gpus:
-        print(
-            f"gpu_check: no NVIDIA GPU here ({inventory.gpu_note or 'no GPU'}); nothing to check",
-            file=sys.stderr,
-        )
+        why = inventory.gpu_note or "no GPU"
+        if out is not None:
+            no_gpu = Check("a GPU", None, f"no NVIDIA GPU here ({why}); nothing was checked")
+            out.write_text(format_report("GPU check: no GPU", [], [no_gpu]))
+        print(f"gpu_check: no NVIDIA GPU here ({why}); nothing to check", file=sys.stderr)
         return NO_GPU_EXIT
+    gpus = ", ".join(sorted({g.name for g in inventory.gpus}))
+    report = Report(
+        f"GPU check on {len(inventory.gpus)} x {gpus}",
+        out=out,
+        deadline=None if args.deadline is None else started + args.deadline,
+    )
     try:
         settings = Settings.from_env(env)
         if settings.devices == "cpu":
             raise SettingsError("SERVE_DEVICES=cpu plans no GPU worker; unset it to check the GPUs")
-        sections, checks = run_checks(args, env, settings, inventory)
+        run_checks(args, env, settings, inventory, report)
     except SettingsError as exc:
         print(f"gpu_check: {exc}", file=sys.stderr)
         return NO_GPU_EXIT
-    gpus = ", ".join(sorted({g.name for g in inventory.gpus}))
-    report = format_report(f"GPU check on {len(inventory.gpus)} x {gpus}", sections, checks)
-    print(report)
-    if args.out:
-        Path(args.out).write_text(report)
-        print(f"wrote {args.out}")
-    return 1 if any(c.ok is False for c in checks) else 0
+    print(report.text())
+    if out is not None:
+        print(f"wrote {out}")
+    return 1 if report.failed() else 0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="SERVE_MODEL (default: the environment's, else the service's default)")
     p.add_argument(
-        "--workers-per-device", type=int, default=2, help="workers per GPU for the sweep, 2 or more"
+        "--workers-per-device",
+        type=int,
+        default=2,
+        help="workers per GPU for the plan shown and the speed step, 2 or more",
     )
-    p.add_argument("--concurrency", default="1,8,64", help="client counts of the sweep")
-    p.add_argument("--seconds", type=float, default=10, help="measured seconds per level and route")
-    p.add_argument("--warmup", type=float, default=2)
-    p.add_argument("--offline-seconds", type=float, default=8)
-    p.add_argument("--out", help="also write the report to this file")
+    p.add_argument(
+        "--overruns", type=int, help="workers sent a request past their share (default: every worker)"
+    )
+    p.add_argument("--speed-model", help="SERVE_MODEL of the speed step (default: the model)")
+    p.add_argument("--clients", type=int, default=64, help="the batcher's client threads, over all processes")
+    p.add_argument(
+        "--seconds",
+        type=float,
+        help=f"measured seconds per span of the speed step (default {SPEED_MOST_S:g}, "
+        "less if --deadline leaves less)",
+    )
+    p.add_argument("--deadline", type=float, help="seconds from the start by which every step must end")
+    p.add_argument("--out", help="also write the report to this file, after every step")
     args = p.parse_args(argv)
     if args.workers_per_device < 2:
         p.error(f"--workers-per-device must be 2 or more, got {args.workers_per_device}")
+    if args.overruns is not None and args.overruns < 1:
+        p.error(f"--overruns must be 1 or more, got {args.overruns}")
     return args
 
 
 def run_checks(
-    args: argparse.Namespace, env: dict[str, str], settings: Settings, inventory: Inventory
-) -> tuple[list[tuple[str, str]], list[Check]]:
+    args: argparse.Namespace, env: dict[str, str], settings: Settings, inventory: Inventory, report: Report
+) -> None:
     first = inventory.gpus[0]
-    sections = [("Command", f"`{' '.join(['python', *sys.argv])}`")]
+    report.add("Command", f"`{' '.join(['python', *sys.argv])}`")
     served = {**env, "SERVE_WORKERS_PER_DEVICE": str(args.workers_per_device)}
-    sections.append(
-        ("Plan for the sweep", "```\n" + render(plan(Settings.from_env(served), inventory)) + "\n```")
+    report.add(
+        f"Plan with {args.workers_per_device} workers per GPU",
+        "```\n" + render(plan(Settings.from_env(served), inventory)) + "\n```",
     )
-
-    with visible(first.uuid):
-        item_tokens, samples, device_name = _in_spawned_process(measure_token_memory, settings.model)
-    per_token = token_memory_kb(samples)
-    sections.append(
-        (
-            "Token memory",
-            f"{device_name}, model `{settings.model}`: **SERVE_TOKEN_MEMORY_KB={per_token:.2f}** "
-            f"(the largest of these calls; longest item {item_tokens} tokens)\n\n" + samples_table(samples),
-        )
+    measured = report.step(
+        "token memory", NEEDS_S["token memory"], lambda: token_memory_step(report, settings.model, first)
     )
-
-    largest_mb = MAX_ITEMS * item_tokens * per_token / 1024
-    workers = workers_for_overrun(first, settings.gpu_context_mb, largest_mb, args.workers_per_device, 64)
-    if workers is None:
-        checks = [
-            Check("overrun", None, f"one call of {largest_mb:.0f} MiB fits every share up to 64 workers")
-        ]
-        workers = args.workers_per_device
+    if measured is None:
+        report.extend([Check("workers", None, "not reached: the step needs the token memory")])
     else:
-        checks = []
+        report.step(
+            "workers",
+            NEEDS_S["workers"],
+            lambda: workers_step(report, args, env, settings, inventory, *measured),
+        )
+    report.step("exactness", NEEDS_S["exactness"], lambda: exactness_step(report, settings.model, first))
+    seconds = args.seconds or speed_seconds(report.left())
+    if seconds is None:
+        left = max(0.0, report.left() or 0.0)
+        report.extend([Check("speed", None, f"not reached: {left:.0f} s left, too few to measure in")])
+        return
+    report.step(
+        "speed",
+        0,
+        lambda: speed_step(
+            report,
+            args.speed_model or settings.model,
+            first,
+            workers=args.workers_per_device,
+            clients=args.clients,
+            seconds=seconds,
+        ),
+    )
+
+
+def token_memory_step(report: Report, model: str, gpu: Gpu) -> tuple[float, int]:
+    """SERVE_TOKEN_MEMORY_KB measured in a spawned process on ``gpu``: it, and the longest item's tokens."""
+    with visible(gpu.uuid):
+        item_tokens, samples, device_name = _in_spawned_process(measure_token_memory, model)
+    per_token = token_memory_kb(samples)
+    report.add(
+        "Token memory",
+        f"{device_name}, model `{model}`: **SERVE_TOKEN_MEMORY_KB={per_token:.2f}** "
+        f"(the largest of these calls; longest item {item_tokens} tokens)\n\n" + samples_table(samples),
+    )
+    return per_token, item_tokens
+
+
+def workers_step(
+    report: Report,
+    args: argparse.Namespace,
+    env: dict[str, str],
+    settings: Settings,
+    inventory: Inventory,
+    per_token: float,
+    item_tokens: int,
+) -> None:
+    """gunicorn with enough workers per GPU that the largest call outgrows a share: plan, UUIDs, overruns."""
+    largest_mb = MAX_ITEMS * item_tokens * per_token / 1024
+    workers = workers_for_overrun(
+        inventory.gpus[0], settings.gpu_context_mb, largest_mb, args.workers_per_device, 64
+    )
+    checks = []
+    if workers is None:
+        checks.append(
+            Check("overrun", None, f"one call of {largest_mb:.0f} MiB fits every share up to 64 workers")
+        )
+        workers = args.workers_per_device
     topology_env = {
         **env,
         "SERVE_WORKERS_PER_DEVICE": str(workers),
@@ -349,18 +400,25 @@ def run_checks(
         "SERVE_REQUEST_TIMEOUT_MS": "600000",
     }
     expected = plan(Settings.from_env(topology_env), inventory)
+    overruns = 0 if checks else (args.overruns or len(expected.workers))
+    left = report.left()
     text, topology_checks = check_topology(
-        topology_env, expected, per_token, item_tokens, run_overrun=not checks
+        topology_env,
+        expected,
+        per_token,
+        item_tokens,
+        overruns=overruns,
+        ready_timeout=600 if left is None else max(1.0, left),
     )
-    sections.append((f"Workers ({workers} per GPU)", "```\n" + render(expected) + "\n```\n\n" + text))
-    checks += topology_checks
+    report.add(f"Workers ({workers} per GPU)", "```\n" + render(expected) + "\n```\n\n" + text)
+    report.extend(checks + topology_checks)
 
-    sweep_text, sweep_checks = run_sweep(args, {**served, "CUDA_VISIBLE_DEVICES": first.uuid}, first)
-    sections.append((f"Sweep on {first.name} ({first.uuid})", sweep_text))
-    with visible(first.uuid):
-        rows = _in_spawned_process(compare_precisions, settings.model)
-    sections.append((f"float16 against float32 on {first.name}", precision_table(rows)))
-    return sections, checks + sweep_checks + [judge_precision(rows)]
+
+def exactness_step(report: Report, model: str, gpu: Gpu) -> None:
+    with visible(gpu.uuid):
+        rows = _in_spawned_process(compare_precisions, model)
+    report.add(f"Exactness: float16 against float32 on {gpu.name}, model `{model}`", precision_table(rows))
+    report.extend([judge_exactness(rows)])
 
 
 def compare_precisions(model_spec: str) -> list[dict[str, Any]]:
@@ -375,7 +433,6 @@ def compare_precisions(model_spec: str) -> list[dict[str, Any]]:
             {
                 "precision": precision,
                 "in_use": found["outcome"]["in_use"],
-                "items_per_s": found["items_per_s"],
                 "weights_mb": found["weights_mb"],
                 "exactness": found["exactness"],
                 "check": found["outcome"].get("exactness") or found["outcome"].get("fallback") or {},
@@ -387,30 +444,27 @@ def compare_precisions(model_spec: str) -> list[dict[str, Any]]:
 
 def precision_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| precision | in use | texts/s | vs float32 | weights MiB | exactness on the corpus | at start |",
-        "| --- | --- | ---: | ---: | ---: | --- | --- |",
+        "| precision | in use | weights MiB | exactness on the corpus | the service's check at start |",
+        "| --- | --- | ---: | --- | --- |",
     ]
-    base = rows[0]["items_per_s"]
     for row in rows:
         figures = ", ".join(f"{k} {v:.4f}" for k, v in row["exactness"].items()) or "-"
         lines.append(
-            f"| {row['precision']} | {row['in_use']} | {row['items_per_s']:.0f} | "
-            f"{row['items_per_s'] / base:.2f}x | {row['weights_mb']:.0f} | {figures} | "
+            f"| {row['precision']} | {row['in_use']} | {row['weights_mb']:.0f} | {figures} | "
             f"{row['check'] or '-'} |"
         )
     return "\n".join(lines)
 
 
-def judge_precision(rows: list[dict[str, Any]]) -> Check:
-    """float16 kept by the service's check, faster than float32 and holding less memory."""
+def judge_exactness(rows: list[dict[str, Any]]) -> Check:
+    """float16 kept by the service's check at start, holding less memory than float32."""
     full, half = rows[0], rows[1]
-    speed = half["items_per_s"] / full["items_per_s"]
     detail = (
-        f"float16 {half['in_use']!r} in use, {speed:.2f}x float32's texts/s, "
-        f"{half['weights_mb']:.0f} against {full['weights_mb']:.0f} MiB of weights"
+        f"float16 {half['in_use']!r} in use, {half['weights_mb']:.0f} against {full['weights_mb']:.0f} MiB "
+        f"of weights; at start: {half['check'] or '-'}"
     )
-    ok = half["in_use"] == "float16" and speed > 1 and half["weights_mb"] < full["weights_mb"]
-    return Check("float16 against float32", ok, detail)
+    ok = half["in_use"] == "float16" and half["weights_mb"] < full["weights_mb"]
+    return Check("float16 kept by the start-up check", ok, detail)
 
 
 @contextlib.contextmanager
@@ -474,26 +528,34 @@ def measure_token_memory(model_spec: str) -> tuple[int, list[Sample], str]:
 
 
 def check_topology(
-    env: dict[str, str], expected: Plan, per_token: float, item_tokens: int, *, run_overrun: bool
+    env: dict[str, str],
+    expected: Plan,
+    per_token: float,
+    item_tokens: int,
+    *,
+    overruns: int,
+    ready_timeout: float = 600,
 ) -> tuple[str, list[Check]]:
-    """gunicorn on ``env``: each worker held on a connection, compared with ``expected``, overrun."""
+    """gunicorn on ``env``: each worker held on a connection and compared with ``expected``.
+
+    The first ``overruns`` workers are then sent a call past their share, one at a time.
+    """
     from scripts.common.launcher import LaunchError, serve
 
     try:
-        with serve(env, ready_timeout=600, all_workers=True, grace=60) as service:
+        with serve(env, ready_timeout=ready_timeout, all_workers=True, grace=60) as service:
             held = reach_workers("127.0.0.1", service.port, len(expected.workers))
             try:
                 seen = [worker for worker, _ in held.values()]
                 gpu_of_pid = gpu_processes()
                 checks = compare_workers(expected, seen, gpu_of_pid)
-                if run_overrun:
-                    for pid in held:
-                        checks.append(overrun(expected, held, pid, per_token, item_tokens, service.workers))
+                for pid in list(held)[:overruns]:
+                    checks.append(overrun(expected, held, pid, per_token, item_tokens, service.workers))
             finally:
                 for _, connection in held.values():
                     connection.close()
     except LaunchError as exc:
-        raise SystemExit(f"gpu_check: the service did not start: {exc}") from None
+        raise CheckError(f"the service did not start: {exc}") from None
     lines = ["| slot | pid | device | memory fraction | GPU (NVML) |", "| ---: | ---: | --- | ---: | --- |"]
     for w in sorted(seen, key=lambda w: w.slot):
         lines.append(
@@ -526,9 +588,7 @@ def reach_workers(
     for connection in spare:
         connection.close()
     if len(held) < workers:
-        raise SystemExit(
-            f"gpu_check: reached {len(held)} of {workers} workers over {workers * 8} connections"
-        )
+        raise CheckError(f"reached {len(held)} of {workers} workers over {workers * 8} connections")
     return held
 
 
@@ -604,59 +664,6 @@ def gpu_processes() -> dict[int, str]:
     finally:
         pynvml.nvmlShutdown()
     return found
-
-
-def run_sweep(args: argparse.Namespace, env: dict[str, str], gpu: Gpu) -> tuple[str, list[Check]]:
-    """scripts/bench/bench.py's sweep on one GPU, against scripts/bench/offline.py's limit on the same GPU."""
-    from scripts.bench.bench import get_json, markdown, service, sweep
-    from scripts.bench.offline import OfflineError, Split, measure
-    from service.models.base import sample_item
-
-    settings = Settings.from_env(env)
-    cores = read_inventory().usable_cores
-    workers = args.workers_per_device
-    window = settings.max_batch_size
-    results: list[dict[str, Any]] = []
-    with visible(gpu.uuid):
-        for split in dict.fromkeys([Split(1, cores), Split(workers, max(1, cores // workers))]):
-            try:
-                (found,) = measure(settings, split, [window], seconds=args.offline_seconds)
-            except OfflineError as exc:
-                raise SystemExit(f"gpu_check: {exc}") from None
-            results.append(
-                {"split": str(split), "strategy": f"batch {window}", "items_per_s": found.items_per_s}
-            )
-    best = max(results, key=lambda r: r["items_per_s"])
-    offline = {**best, "batch_size": window, "splits": results}
-    with service(None, env) as url:
-        try:
-            item = sample_item(get_json(url + "/info")["model"])
-        except ValueError as exc:
-            raise SystemExit(f"gpu_check: {exc}") from None
-        options = argparse.Namespace(
-            concurrency=args.concurrency,
-            routes="naive,batched",
-            repeat=1,
-            warmup=args.warmup,
-            seconds=args.seconds,
-            generator="auto",
-            items=1,
-        )
-        rows, generator = sweep(url, [json.dumps({"inputs": [item]}).encode()], options)
-    report = {
-        "model": settings.model,
-        "items_per_request": 1,
-        "corpus": None,
-        "repeats": 1,
-        "seconds_per_run": args.seconds,
-        "generator": generator,
-    }
-    text = (
-        f"{workers} workers on the GPU, in the precision the service settled (SERVE_PRECISION="
-        f"{settings.precision}; a text model runs in float16 by default); the offline limit loads the model "
-        "as it is, in float32.\n\n" + markdown(report, rows, offline)
-    )
-    return text, [sweep_check(rows, offline["items_per_s"])]
 
 
 if __name__ == "__main__":
