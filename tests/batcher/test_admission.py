@@ -253,3 +253,57 @@ def test_a_request_queued_behind_work_past_its_deadline_is_refused_before_its_mo
     finally:
         gated.gate.set()
         batcher.stop(10)
+
+
+class FixedRate(ServiceMeter):
+    """A meter that has measured 0.1 s an item."""
+
+    @property
+    def seconds_per_item(self) -> float | None:
+        return 0.1
+
+
+def test_a_batch_takes_no_more_items_than_a_quarter_of_the_budget_holds(gated: GatedPredict) -> None:
+    # 0.1 s an item and a 2 s budget: 5 items make a batch of half a second.
+    batcher = started(gated, admission=AdmissionRule(budget_s=2.0))
+    batcher._meter = FixedRate()
+    try:
+        first = batcher.submit(["a"], FAR)
+        gated.wait_entered()
+        queued = [batcher.submit([f"q{i}"], FAR) for i in range(7)]
+        bulk = batcher.submit([f"b{i}" for i in range(12)], FAR)  # larger than a batch: runs in parts
+        gated.gate.set()
+        for pending in [first, *queued, bulk]:
+            wait_result(pending.future, 10)
+        assert [len(batch) for batch in gated.batches] == [1, 5, 5, 5, 4]
+    finally:
+        gated.gate.set()
+        batcher.stop(10)
+
+
+def test_without_a_budget_a_batch_is_bounded_by_its_size_alone(gated: GatedPredict) -> None:
+    batcher = started(gated, admission=AdmissionRule(budget_s=float("inf")))
+    batcher._meter = FixedRate()
+    try:
+        first = batcher.submit(["a"], FAR)
+        gated.wait_entered()
+        queued = [batcher.submit([f"q{i}"], FAR) for i in range(7)]
+        gated.gate.set()
+        for pending in [first, *queued]:
+            wait_result(pending.future, 10)
+        assert [len(batch) for batch in gated.batches] == [1, 7]
+    finally:
+        gated.gate.set()
+        batcher.stop(10)
+
+
+def test_a_worker_keeping_up_applies_the_budget_when_the_service_is_behind() -> None:
+    batcher = started(lambda items: items, admission=AdmissionRule(budget_s=1.0))
+    try:
+        late = time.monotonic() - 2  # past the budget, well within its deadline
+        assert wait_result(batcher.submit([1], FAR, arrived=late).future, 10) == [1]
+        batcher.share_verdict(lambda own: True)  # another worker is behind
+        with pytest.raises(Overloaded, match="past the 1000 ms it may wait"):
+            batcher.submit([2], FAR, arrived=time.monotonic() - 2)
+    finally:
+        batcher.stop(10)
