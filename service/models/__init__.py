@@ -32,6 +32,11 @@ def load_model(settings: Settings, device: str, *, may_run: bool = True) -> Mode
         from service.models.registry import load_directory
 
         return load_directory(Path(spec), device, settings.max_image_pixels)
+    # The text kinds convert weights saved in float16 or bfloat16 to float32
+    # (service.models.hf.in_float32). A program (a file, or an image directory's)
+    # and a factory's model keep the dtypes they were built with: a traced graph
+    # may fix dtypes inside it, and a factory's author chose its own; neither
+    # offers a network the precision check could measure anyway.
     if kind == "file":
         from service.models.user import TorchFileModel
 

@@ -19,6 +19,7 @@ from service.models.hf import (
     Tokens,
     check_text,
     directory_name,
+    in_float32,
     load_tokenizer,
     pad,
     position_limit,
@@ -38,11 +39,8 @@ class SequenceClassifierModel:
         self.name = directory_name(path)
         self.device = device
         self._tokenizer = load_tokenizer(path)
-        self._model = (
-            AutoModelForSequenceClassification.from_pretrained(str(path), local_files_only=True)
-            .eval()
-            .to(device)
-        )
+        loaded = AutoModelForSequenceClassification.from_pretrained(str(path), local_files_only=True)
+        self._model = in_float32(loaded.eval().to(device), self.name)
         config = self._model.config
         self._labels = [str(config.id2label[i]) for i in range(config.num_labels)]
         self._problem = config.problem_type

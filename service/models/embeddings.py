@@ -21,6 +21,7 @@ from service.models.hf import (
     Tokens,
     check_text,
     directory_name,
+    in_float32,
     pad,
     position_limit,
     quiet_transformers,
@@ -37,7 +38,8 @@ class SentenceEmbeddingModel:
         quiet_transformers()
         self.name = directory_name(path)
         self.device = device
-        self._model = SentenceTransformer(str(path), device=device, local_files_only=True).eval()
+        loaded = SentenceTransformer(str(path), device=device, local_files_only=True).eval()
+        self._model = in_float32(loaded, self.name)
         self._tokenizer = self._model.tokenizer
         # The directory's sentence_bert_config.json; without one, the tokenizer's limit.
         self._max_length = self._model.max_seq_length or position_limit(self._tokenizer, None)

@@ -21,6 +21,7 @@ from service.models.hf import (
     Tokens,
     check_text,
     directory_name,
+    in_float32,
     load_tokenizer,
     pad,
     position_limit,
@@ -46,7 +47,8 @@ class MaskedLMModel:
         self.name = directory_name(path)
         self.device = device
         self._tokenizer = load_tokenizer(path)
-        self._model = AutoModelForMaskedLM.from_pretrained(str(path), local_files_only=True).eval().to(device)
+        loaded = AutoModelForMaskedLM.from_pretrained(str(path), local_files_only=True)
+        self._model = in_float32(loaded.eval().to(device), self.name)
         if self._tokenizer.mask_token_id is None:
             raise ValueError(
                 f"{path}: config.json names a masked language model, but its tokenizer has no mask token"

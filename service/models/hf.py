@@ -3,11 +3,14 @@
 Every kind tokenizes in the request thread (``prepare``) so that the batch
 thread only pads and runs the model, and reports an item's size as its token
 count so that the batcher cuts length-aware sub-batches (service.batching.subbatch).
-Nothing here reaches for the Hub: every load passes ``local_files_only``.
+Nothing here reaches for the Hub: every load passes ``local_files_only``, and
+every kind's model is float32 as loaded, whatever dtype its weights were saved in
+(``in_float32``).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +19,8 @@ import numpy as np
 import torch
 
 from service.models.base import MAX_TEXT_CHARS, json_type
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +37,33 @@ def quiet_transformers() -> None:
 
     transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     transformers_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+
+
+def in_float32(module: Any, name: str) -> Any:
+    """``module`` with every floating weight in float32, converted in place if stored otherwise.
+
+    transformers loads weights in the dtype they were saved in, and hub
+    checkpoints are often saved in float16 or bfloat16: served as they are, a
+    CPU would run them slowly (some ops not at all), and the precision check
+    would measure a reduced network against a float16 "float32". So a
+    directory's model is float32 until SERVE_PRECISION reduces it. The whole
+    module is converted, not only the network the check swaps: a
+    sentence-transformers directory saves its Dense modules in the same dtype.
+    float16 to float32 (and bfloat16 to float32) is exact.
+    """
+    stored = {
+        str(tensor.dtype).removeprefix("torch.")
+        for tensor in (*module.parameters(), *module.buffers())
+        if tensor.is_floating_point() and tensor.dtype != torch.float32
+    }
+    if not stored:
+        return module
+    log.info(
+        "model %s: weights stored in %s are run in float32; SERVE_PRECISION chooses the precision",
+        name,
+        " and ".join(sorted(stored)),
+    )
+    return module.float()
 
 
 def load_tokenizer(path: Path) -> Any:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from service.models.base import EMBEDDINGS, MAX_TEXT_CHARS, json_type
-from service.models.hf import Encoder, Tokens
+from service.models.hf import Encoder, Tokens, in_float32
 
 MAX_CHARS = MAX_TEXT_CHARS
 
@@ -48,7 +48,10 @@ class MiniLMModel:
         self._max_length = json.loads((path / "sentence_bert_config.json").read_text())["max_seq_length"]
         self._encode = Encoder(self._tokenizer, max_length=self._max_length)
         self._pad_id = self._tokenizer.pad_token_id or 0
-        self._encoder = AutoModel.from_pretrained(path, local_files_only=True).eval().to(device)
+        # The package ships float32 weights; converted like a directory's if it ever
+        # does not, before the trace below fixes the dtype.
+        encoder = AutoModel.from_pretrained(path, local_files_only=True).eval().to(device)
+        self._encoder = in_float32(encoder, self.name)
         # Tracing runs the model; the gunicorn master, which must not, builds it
         # eager and each worker traces it (network_settled, service.host.preload).
         self._embed = self._trace(self._encoder) if trace else _Embedder(self._encoder).eval()

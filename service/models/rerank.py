@@ -25,6 +25,7 @@ from service.models.hf import (
     Tokens,
     check_text,
     directory_name,
+    in_float32,
     load_tokenizer,
     pad,
     position_limit,
@@ -48,11 +49,8 @@ class CrossEncoderModel:
         self.name = directory_name(path)
         self.device = device
         self._tokenizer = load_tokenizer(path)
-        self._model = (
-            AutoModelForSequenceClassification.from_pretrained(str(path), local_files_only=True)
-            .eval()
-            .to(device)
-        )
+        loaded = AutoModelForSequenceClassification.from_pretrained(str(path), local_files_only=True)
+        self._model = in_float32(loaded.eval().to(device), self.name)
         self._max_length = position_limit(self._tokenizer, self._model.config)
         self._encode = Encoder(self._tokenizer, max_length=self._max_length)
         self._pad_id = self._tokenizer.pad_token_id or 0

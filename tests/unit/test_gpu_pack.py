@@ -123,7 +123,7 @@ def test_float16_weights_round_trip_and_load_through_the_services_loader(tiny: P
     assert (half / "model.safetensors").stat().st_size < 0.6 * original.stat().st_size
 
     _, source = network_weights(tiny, "torch.float32")
-    _, halved = network_weights(half, "torch.float16")  # transformers loads the dtype it was saved in
+    _, halved = network_weights(half, "torch.float32")  # stored in float16, served in float32
     model, restored = network_weights(back, "torch.float32")
     for name, values in source.items():
         rounded = values.astype(np.float16).astype(np.float32)
