@@ -8,9 +8,6 @@ bound, and the script with every GPU hidden, as on a host without one.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -34,8 +31,8 @@ from scripts.bench.gpu_report import Check, Report, format_report
 from service.settings import Settings
 from service.topology.inventory import Gpu, Inventory
 from service.topology.plan import Plan, plan
+from tests.support.no_gpu import run_without_gpu
 
-ROOT = Path(__file__).resolve().parents[2]
 H100_MB = 81559
 
 
@@ -294,17 +291,8 @@ def test_a_step_that_would_end_past_the_deadline_is_not_started_and_not_verified
 
 
 def test_without_a_gpu_the_script_says_so_in_one_line_exits_2_and_writes_a_report(tmp_path: Path) -> None:
-    # An empty CUDA_VISIBLE_DEVICES hides every GPU, so this holds on a host with GPUs too.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")} | {"CUDA_VISIBLE_DEVICES": ""}
     out = tmp_path / "report.md"
-    done = subprocess.run(
-        [sys.executable, "scripts/bench/gpu_check.py", "--out", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_without_gpu("scripts/bench/gpu_check.py", out)
     assert done.returncode == NO_GPU_EXIT == 2
     assert done.stdout == ""
     lines = done.stderr.splitlines()

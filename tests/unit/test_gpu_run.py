@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import select
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,8 +28,8 @@ from scripts.bench.gpu_speed import (
 )
 from scripts.bench.precision import corpus
 from scripts.fixtures.make_bert_base import Shape, write
+from tests.support.no_gpu import run_without_gpu
 
-ROOT = Path(__file__).resolve().parents[2]
 # A check that never ends: it writes part of its report, starts a process in a session of
 # its own (as gunicorn runs) and waits.
 ENDLESS_CHECK = """
@@ -47,17 +46,8 @@ time.sleep(120)
 def test_without_a_gpu_the_run_installs_nothing_says_so_in_one_line_and_writes_a_report(
     tmp_path: Path,
 ) -> None:
-    # An empty CUDA_VISIBLE_DEVICES hides every GPU, so this holds on a host with GPUs too.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")} | {"CUDA_VISIBLE_DEVICES": ""}
     out = tmp_path / "gpu-report.md"
-    done = subprocess.run(
-        [sys.executable, "scripts/bench/gpu_run.py", "--out", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_without_gpu("scripts/bench/gpu_run.py", out)
     assert done.returncode == NO_GPU_EXIT == 2
     assert done.stdout == ""
     lines = done.stderr.splitlines()
