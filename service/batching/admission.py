@@ -389,19 +389,16 @@ class AdmissionRule:
             return math.inf
         return min(self.budget_s, deadline_s) if behind else deadline_s
 
-    def admits_fresh(
-        self, waited_s: float, predicted_s: float, deadline_s: float, behind: bool, tail_s: float = 0.0
-    ) -> bool:
+    def admits_fresh(self, waited_s: float, predicted_s: float, deadline_s: float, behind: bool) -> bool:
         """Whether a request that waited ``waited_s`` fits with the margin a fresh one needs.
 
         The test for letting a held request in before its hold ends
         (service.host.hold.let_in); the door then admits it with a smaller
         margin (``decide`` with ``returning``), whatever the few requests that
-        reach the queue beside it add. ``tail_s`` as for ``decide``: a request
-        let in that submit() then refuses is held again, and let in again.
+        reach the queue beside it add.
         """
-        margin, tail = (PREDICTION_MARGIN, 0.0) if behind else (DEADLINE_MARGIN, tail_s)
-        return waited_s + margin * predicted_s + tail <= self.limit_s(deadline_s, behind)
+        margin = PREDICTION_MARGIN if behind else DEADLINE_MARGIN
+        return waited_s + margin * predicted_s <= self.limit_s(deadline_s, behind)
 
     def decide(
         self,
@@ -412,7 +409,6 @@ class AdmissionRule:
         behind: bool,
         standing: bool = False,
         returning: bool = False,
-        tail_s: float = 0.0,
     ) -> Refusal | None:
         """None to admit, else why not.
 
@@ -420,13 +416,7 @@ class AdmissionRule:
         answer; ``deadline_s``: from its arrival to its deadline; ``behind``:
         Pace's verdict; ``standing``: StandingQueue's verdict on the wait
         before the handler; ``returning``: the request was let in from a hold
-        because the batcher had room for it (service.host.hold.let_in);
-        ``tail_s``: the model time of the batch it may share with requests that
-        arrive after it, which the prediction leaves out. While keeping up it is
-        added to the prediction: a deadline can be as short as a few batches (a
-        client's X-Request-Timeout-Ms), and with DEADLINE_MARGIN alone 128
-        clients resending against a 1 s deadline got 5.5 % 504s. While behind,
-        PREDICTION_MARGIN's half of the budget covers it.
+        because the batcher had room for it (service.host.hold.let_in).
 
         While behind, such a request is admitted while the work ahead fits the
         budget with RETURNING_MARGIN to spare, any other only with
@@ -449,12 +439,10 @@ class AdmissionRule:
                 DEADLINE_MARGIN,
                 f"request's {limit * 1000:.0f} ms deadline; the service is overloaded",
             )
-            tail = tail_s
         else:
             margin = RETURNING_MARGIN if returning else PREDICTION_MARGIN
             past = f"{limit * 1000:.0f} ms latency budget; arrivals outrun the answers"
-            tail = 0.0
-        if waited_s + margin * predicted_s + tail > limit:
+        if waited_s + margin * predicted_s > limit:
             return Refusal(
                 f"the work queued ahead would take about {predicted_s * 1000:.0f} ms, "
                 f"past the {past}, retry shortly",

@@ -220,7 +220,6 @@ class Load:
     seconds_per_item: float | None
     behind: bool  # admission.Pace's verdict
     items_per_request: float  # the recent mean, for requests whose items are not known yet
-    tail_s: float = 0.0  # a batch's model time, which a request may share with later ones
 
 
 class Batcher:
@@ -334,11 +333,7 @@ class Batcher:
         with self._lock:
             spi = self._meter.seconds_per_item
             behind = self._behind(time.monotonic())
-            return Load(self._meter.outstanding, spi, behind, self._pace.request_items, self._tail_locked())
-
-    def _tail_locked(self) -> float:
-        """A batch's model time at the measured rate (AdmissionRule.decide's ``tail_s``); under _lock."""
-        return self._room_locked() * (self._meter.seconds_per_item or 0.0)
+            return Load(self._meter.outstanding, spi, behind, self._pace.request_items)
 
     def share_verdict(self, service_behind: Callable[[bool], bool]) -> None:
         """Judge behind as the service: ``service_behind`` maps this worker's verdict to the service's."""
@@ -468,7 +463,6 @@ class Batcher:
             deadline_s=pending.deadline - start,
             behind=self._behind(now),
             returning=returning,
-            tail_s=self._tail_locked(),
         )
         if refusal is not None:
             raise Overloaded(refusal.message, refusal.retry_after_s, reason="over_budget")

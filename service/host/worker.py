@@ -266,7 +266,7 @@ def room_test(
     def fits(item: T, released: int) -> bool:
         own = round(per_request)
         predicted = predict_wait(round(ahead + released * per_request), load.seconds_per_item, own)
-        return rule.admits_fresh(now - arrived(item), predicted, deadline_s, load.behind, load.tail_s)
+        return rule.admits_fresh(now - arrived(item), predicted, deadline_s, load.behind)
 
     return fits
 

@@ -358,14 +358,3 @@ def test_a_closed_loop_of_mixed_sizes_keeps_up_whatever_sizes_its_requests_have(
         sizes.append(rng.choice([1, 8]))  # the most the sizes can swing
         pace.offered(sizes[-1], t + 0.002)
         assert not pace.behind(t + 0.002, ITEM_S), f"behind at {t:.2f} s"
-
-
-def test_while_keeping_up_the_batch_a_request_may_share_counts_against_its_deadline() -> None:
-    rule = AdmissionRule(budget_s=1.0)
-    # 0.6 s of work ahead, counted 1.2 times, fits a 1 s deadline; with a 0.3 s batch's tail it does not.
-    assert rule.decide(0.0, 0.6, deadline_s=1.0, behind=False) is None
-    assert rule.decide(0.0, 0.6, deadline_s=1.0, behind=False, tail_s=0.3) is not None
-    assert not rule.admits_fresh(0.0, 0.6, 1.0, behind=False, tail_s=0.3)
-    # Behind, the budget's margin covers the tail: the same request is judged as before.
-    assert rule.decide(0.0, 0.4, deadline_s=1.0, behind=True, tail_s=0.3) is None
-    assert rule.admits_fresh(0.0, 0.4, 1.0, behind=True, tail_s=0.3)
