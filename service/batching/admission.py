@@ -206,7 +206,7 @@ PACE_TOLERANCE = 0.3
 # overload of 2x capacity read as kept up for a second in every three, and
 # what was admitted to its deadline then was answered up to 3 s late. Not much
 # longer: 256 clients resending at once, a closed loop whose first pass reads
-# as growth, got 0.74x to 0.79x of capacity with 3 s, 1.03x to 1.12x with 1.5 s.
+# as growth, got 0.75x and 0.79x of capacity with 3 s, 1.12x with 1.5 s.
 PACE_CALM_S = 1.5
 # Requests the mean request size spans, roughly.
 PACE_MEAN_REQUESTS = 64
