@@ -225,9 +225,8 @@ class Pace:
     shedding early keeps the answers it gives timely.
 
     The backlog of demand, ``offered - answered`` in requests, tells the two
-    apart: offered counts every fresh request, admitted or refused (the next
-    request on a refused client's connection, sent again or new, replaces the
-    refused one's demand and is not fresh), answered every request served. A closed loop
+    apart: offered counts every fresh request, admitted or refused (a resend of
+    a refused one is not fresh), answered every request served. A closed loop
     keeps it flat; an open-loop overload makes it grow without end, its
     refusals included. It is counted in requests, not items: a closed loop
     holds one request per client whatever their sizes, while its backlog in

@@ -400,8 +400,8 @@ class Batcher:
         ``arrived``: when the request reached the service (monotonic), for the
         latency budget; None counts from now. ``returning``: its client was
         refused before and was let in from its hold early (AdmissionRule.decide);
-        ``resend``: it is the request read after its connection's refusal,
-        whose demand it replaces (admission.Pace).
+        ``resend``: it is a refused request sent again
+        (service.http.arrival.resends_refused), no fresh demand (admission.Pace).
         ``first_on_connection``: its wait before the handler tells the pace
         nothing (admission.Pace). ``queue_wait``: its wait before
         its handler (None: since it arrived). ``body_bytes``: the
@@ -416,15 +416,11 @@ class Batcher:
         with self._lock:
             if not self._accepting:
                 raise NotReady("the worker is shutting down; retry on another worker", reason="shutting_down")
-            # Demand, for the pace: every request, taken or not, but one read after
-            # its connection's refusal. A refused client either sends its request
-            # again or moves on to its next one, and either way its demand is still
-            # the one request counted when it was refused: a connection carries one
-            # at a time. Counted anew at each refusal, closed-loop clients that were
-            # refused read as demand growing for as long as any of them was refused,
-            # which kept the service behind and refusing them: 64 clients of 32
-            # texts got 851 503s in 20 s, and 256 that resend at once 0.65x of
-            # capacity.
+            # Demand, for the pace: every request but a resend, taken or not. A
+            # resend's demand was counted when it was first refused; counted again
+            # at each refusal, 256 clients resending at once read as demand growing
+            # for as long as any of them was refused, and kept the service behind
+            # (0.65x of capacity).
             waited: float | None = now - pending.budget_from if queue_wait is None else queue_wait
             if first_on_connection:
                 waited = None

@@ -52,6 +52,7 @@ from service.http.arrival import (
     TIMEOUT_ENVIRON_KEY,
     ask_to_hold,
     proxy_wait,
+    resends_refused,
     settle_wait,
 )
 
@@ -114,9 +115,8 @@ class Door:
         )
         if refusal is None:
             return self._app(environ, start_response)
-        if batcher is not None and returning is None:
-            # Demand unmet, for the pace. A request read after its connection's refusal
-            # replaces that refusal's demand (Batcher.submit), refused or not.
+        if batcher is not None and not resends_refused(environ):
+            # Demand unmet, for the pace; a resend's was counted when it was first refused.
             batcher.refused(items, waited if environ.get(FOLLOW_UP_ENVIRON_KEY, True) else None)
         self._metrics.count_error(Overloaded(refusal.message, reason="over_budget"))
         body = orjson.dumps({"error": refusal.message})
