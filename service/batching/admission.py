@@ -199,15 +199,13 @@ PACE_WINDOWS = 3
 # answers) and far below 2x's (all of them).
 PACE_TOLERANCE = 0.3
 # Once behind, the service stays behind until the demand has not grown for this
-# long. Longer than a refused client's hold (half the latency budget, 1 s by
-# default; service.http.arrival.ask_to_hold): a held connection's next request
-# is not read until its hold ends, so while much of the demand waits in holds
-# it seems to have stopped growing. With the windows alone to go by, an
-# overload of 2x capacity read as kept up for a second in every three, and
-# what was admitted to its deadline then was answered up to 3 s late. Not much
-# longer: 256 clients resending at once, a closed loop whose first pass reads
-# as growth, got 0.75x and 0.79x of capacity with 3 s, 1.12x with 1.5 s.
-PACE_CALM_S = 1.5
+# long. Longer than a refused client's hold (service.http.arrival.MAX_HOLD_S):
+# a held connection's next request is not read until its hold ends, so while
+# most of the demand waits in holds it seems to have stopped growing. With the
+# windows alone to go by, an overload of 2x capacity read as kept up for a
+# second in every three, and what was admitted to its deadline then was
+# answered up to 3 s late.
+PACE_CALM_S = 3.0
 # Requests the mean request size spans, roughly.
 PACE_MEAN_REQUESTS = 64
 

@@ -400,10 +400,9 @@ class Batcher:
         ``arrived``: when the request reached the service (monotonic), for the
         latency budget; None counts from now. ``returning``: its client was
         refused before and was let in from its hold early (AdmissionRule.decide);
-        ``resend``: it is a refused request sent again
-        (service.http.arrival.resends_refused), no fresh demand (admission.Pace).
-        ``first_on_connection``: its wait before the handler tells the pace
-        nothing (admission.Pace). ``queue_wait``: its wait before
+        ``resend``: its client was refused before, so it is no fresh demand
+        (admission.Pace). ``first_on_connection``: its wait before the handler
+        tells the pace nothing (admission.Pace). ``queue_wait``: its wait before
         its handler (None: since it arrived). ``body_bytes``: the
         size of the body its items came from, to learn what the door may
         expect of a body (estimate_items).
@@ -416,18 +415,22 @@ class Batcher:
         with self._lock:
             if not self._accepting:
                 raise NotReady("the worker is shutting down; retry on another worker", reason="shutting_down")
-            # Demand, for the pace: every request but a resend, taken or not. A
-            # resend's demand was counted when it was first refused; counted again
-            # at each refusal, 256 clients resending at once read as demand growing
-            # for as long as any of them was refused, and kept the service behind
-            # (0.65x of capacity).
+            # Demand, for the pace: a fresh request, taken or not, and any request
+            # refused. A request on a connection held after a refusal is counted
+            # only if refused again: it may be that refused request sent again,
+            # which was counted then, or an open-loop client's next one.
             waited: float | None = now - pending.budget_from if queue_wait is None else queue_wait
             if first_on_connection:
                 waited = None
-            if not resend:
+            if not (returning or resend):
                 self._pace.offered(count, now, waited, self._meter.seconds_per_item)
             self._learn_request(count, body_bytes)
-            self._admit(pending, count, now, returning=returning)
+            try:
+                self._admit(pending, count, now, returning=returning)
+            except Overloaded:
+                if returning or resend:
+                    self._pace.offered(count, now, waited, self._meter.seconds_per_item)
+                raise
             self._depth += 1
             self._queued_items += count
             self._meter.submitted(count)

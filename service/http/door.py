@@ -52,7 +52,6 @@ from service.http.arrival import (
     TIMEOUT_ENVIRON_KEY,
     ask_to_hold,
     proxy_wait,
-    resends_refused,
     settle_wait,
 )
 
@@ -115,8 +114,8 @@ class Door:
         )
         if refusal is None:
             return self._app(environ, start_response)
-        if batcher is not None and not resends_refused(environ):
-            # Demand unmet, for the pace; a resend's was counted when it was first refused.
+        if batcher is not None:
+            # Demand unmet, for the pace (Batcher.submit says which counts).
             batcher.refused(items, waited if environ.get(FOLLOW_UP_ENVIRON_KEY, True) else None)
         self._metrics.count_error(Overloaded(refusal.message, reason="over_budget"))
         body = orjson.dumps({"error": refusal.message})
