@@ -19,7 +19,6 @@ from gunicorn.arbiter import Arbiter
 from service.errors import SettingsError
 from service.host import lifecycle, multiproc, preload
 from service.host.balance import Balance, ConnectionShares
-from service.host.overload import OverloadShares
 from service.host.slots import SlotTable
 from service.host.worker import BalancedThreadWorker
 from service.logs import logging_config
@@ -99,8 +98,6 @@ slots = SlotTable()
 # Each worker's open connections, in memory the workers inherit when forked; a
 # few entries spare for workers added past the plan with TTIN.
 connection_shares = ConnectionShares(len(plan.workers) + 8)
-# Whether each worker is behind, likewise: the overload is the service's (service.host.overload).
-overload_shares = OverloadShares(len(plan.workers) + 8)
 
 
 # -- hooks ------------------------------------------------------------------------
@@ -127,7 +124,6 @@ def pre_fork(server, worker):
 def post_fork(server, worker):
     _enter_slot(server, worker)
     _join_balance(server, worker)
-    worker.serve_overload = overload_shares.for_slot(worker.serve_slot)
 
 
 def post_worker_init(worker):

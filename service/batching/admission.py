@@ -155,57 +155,22 @@ def predict_wait(ahead: int, seconds_per_item: float | None, own: int = 1) -> fl
     return (max(0, ahead) + max(1, own)) * seconds_per_item
 
 
-# A gathered batch's model time stays within this share of the latency budget
-# (batch_room). A request waits for the batch running when it arrives and then
-# runs in a batch with requests that came after it; the prediction counts the
-# items ahead of it, not that batch's tail. Where a full batch takes about half
-# the budget (64 mixed-length texts on one CPU core each, 1.1 s of a 2 s
-# budget), those two batches alone filled the budget and accepted requests were
-# answered up to 3 s after arriving; with batches of a quarter, the work ahead
-# (PREDICTION_MARGIN leaves it half) and one batch's tail fit. On a CPU the
-# time per item barely depends on the batch, so smaller batches cost little
-# throughput; on a GPU a batch takes milliseconds and the bound never binds.
-BATCH_BUDGET_SHARE = 0.25
-
-
-def batch_room(max_batch_size: int, budget_s: float, seconds_per_item: float | None) -> int:
-    """Most items the next batch takes: ``max_batch_size``, or what BATCH_BUDGET_SHARE of the budget serves.
-
-    Unknown rate or no budget (admission off): ``max_batch_size``. At least one item.
-    """
-    if not seconds_per_item or math.isinf(budget_s):
-        return max_batch_size
-    return max(1, min(max_batch_size, int(BATCH_BUDGET_SHARE * budget_s / seconds_per_item)))
-
-
 # The pace's windows last long enough for the service to answer this many
 # requests of the recent mean size, and at least PACE_MIN_WINDOW_S: each must
-# see more growth than a closed loop's jitter of a request or so. Short, since
-# what is admitted to its deadline before an overload is seen is answered late
-# or shed: with windows of eight requests (half a second to a second on MiniLM
-# on 2 CPU cores) an overload was seen after 2 to 4 s, and 2x capacity then
-# had accepted p99 of 2.6 to 4.8 s against a 2 s budget.
-PACE_WINDOW_REQUESTS = 4
-PACE_MIN_WINDOW_S = 0.25
+# see more growth than a closed loop's jitter of a request or so.
+PACE_WINDOW_REQUESTS = 8
+PACE_MIN_WINDOW_S = 0.5
 # Growth in this many windows running, each, says the demand outruns the
 # answers. One step of new clients (a closed loop starting, a job joining) lands
 # in one window, or across the boundary of two; growth that goes on through
 # three windows is a rate, not a step.
 PACE_WINDOWS = 3
 # A window's growth counts when it passes this share of what the service
-# answers in a window (at least one request): above the jitter of a closed
-# loop's mean backlog (a cold 32-client loop on MiniLM read three rises of a
-# tenth running within 15 s), below what 1.5x overload adds (half a window's
-# answers) and far below 2x's (all of them).
+# answers in a window (at least two requests, the windows being eight): above
+# the jitter of a closed loop's mean backlog (a cold 32-client loop on MiniLM
+# read three rises of a tenth running within 15 s), below what 1.5x overload
+# adds (half a window's answers) and far below 2x's (all of them).
 PACE_TOLERANCE = 0.3
-# Once behind, the service stays behind until the demand has not grown for this
-# long. Longer than a refused client's hold (service.http.arrival.MAX_HOLD_S):
-# a held connection's next request is not read until its hold ends, so while
-# most of the demand waits in holds it seems to have stopped growing. With the
-# windows alone to go by, an overload of 2x capacity read as kept up for a
-# second in every three, and what was admitted to its deadline then was
-# answered up to 3 s late.
-PACE_CALM_S = 3.0
 # Requests the mean request size spans, roughly.
 PACE_MEAN_REQUESTS = 64
 
@@ -222,16 +187,11 @@ class Pace:
     them every second): its queue grows for as long as that lasts, and only
     shedding early keeps the answers it gives timely.
 
-    The backlog of demand, ``offered - answered`` in requests, tells the two
-    apart: offered counts every fresh request, admitted or refused (a resend of
-    a refused one is not fresh), answered every request served. A closed loop
-    keeps it flat; an open-loop overload makes it grow without end, its
-    refusals included. It is counted in requests, not items: a closed loop
-    holds one request per client whatever their sizes, while its backlog in
-    items moves with the sizes of the requests in it. 16 clients of 1 to 8
-    texts held 60 to 90 items, window to window, against a growth of 5 items
-    that marks an overload in a quarter-second window, and read as one now and
-    then. Requests the service has not read yet (waiting for a request
+    The backlog of demand, ``offered - answered`` in items, tells the two apart:
+    offered counts every fresh request, admitted or refused (a resend of a
+    refused one is not fresh), answered every item served. A closed loop keeps
+    it flat; an open-loop overload makes it grow without end, its refusals
+    included. Requests the service has not read yet (waiting for a request
     thread, in the accept backlog) count too, as the wait before its handler
     of the last fresh request, at the service rate: where the request threads
     are fewer than the clients, the queue grows there. Only a request that
@@ -244,17 +204,16 @@ class Pace:
     time (a closed loop's backlog dips at each answer and fills again within
     milliseconds; the mean barely moves). The service falls behind when the
     mean grew, by more than PACE_TOLERANCE of a window's answers, in each of
-    the last PACE_WINDOWS windows; it is behind until the mean has grown by
-    less than that over those windows together for PACE_CALM_S. (Shedding
-    empties the queue before the handler at once, a drop that must not read as
-    recovery while the refused demand still grows.) Pure: the caller passes
-    the time.
+    the last PACE_WINDOWS windows; it is behind until the mean grows by less
+    than that over those windows together. (Shedding empties the queue before
+    the handler at once, a drop that must not read as recovery while the
+    refused demand still grows.) Pure: the caller passes the time.
     """
 
     def __init__(self, windows: int = PACE_WINDOWS, tolerance: float = PACE_TOLERANCE) -> None:
         self._tolerance = tolerance
         self._backlog = 0
-        self._before = 0.0  # the requests waiting before the handler, as the last fresh request saw them
+        self._before = 0.0  # the items waiting before the handler, as the last fresh request saw them
         self.request_items = 1.0  # the mean items a request, recent
         self._window_s = PACE_MIN_WINDOW_S  # of the window now open, set when it opened
         self._started: float | None = None  # when the window now open opened
@@ -262,29 +221,24 @@ class Pace:
         self._area = 0.0  # the backlog's integral over the window so far
         self._closed: deque[float] = deque(maxlen=windows + 1)  # the mean of each window closed since
         self._behind = False
-        self._grew_at = 0.0  # when the demand was last seen growing while behind
 
     def offered(
         self, items: int, now: float, waited_s: float | None = 0.0, seconds_per_item: float | None = None
     ) -> None:
         """A fresh request of ``items`` arrived (admitted or refused), ``waited_s`` before its handler."""
         self._advance(now, seconds_per_item)
-        self._backlog += 1
+        self._backlog += items
         self.request_items += (items - self.request_items) / PACE_MEAN_REQUESTS
-        # What waits before the handler, in requests: the wait at the rate the service answers.
+        # What waits before the handler, in items: the wait at the rate the service answers.
         # None: a wait that tells nothing of it (a connection's first request: clients
         # that connect at once are read one by one, each having waited longer).
         if waited_s is not None:
-            self._before = waited_s / self._request_s(seconds_per_item) if seconds_per_item else 0.0
+            self._before = waited_s / seconds_per_item if seconds_per_item else 0.0
 
     def answered(self, items: int, now: float, seconds_per_item: float | None = None) -> None:
-        """A request of ``items`` was served."""
+        """``items`` were served."""
         self._advance(now, seconds_per_item)
-        self._backlog -= 1
-
-    def _request_s(self, seconds_per_item: float) -> float:
-        """The time the service takes to answer a request of the mean size."""
-        return seconds_per_item * self.request_items
+        self._backlog -= items
 
     @property
     def _level(self) -> float:
@@ -296,13 +250,11 @@ class Pace:
         if seconds_per_item is None or len(self._closed) < (self._closed.maxlen or 0):
             return False
         means = list(self._closed)
-        step = max(1.0, self._tolerance * self._window_s / self._request_s(seconds_per_item))
+        step = max(1.0, self._tolerance * self._window_s / seconds_per_item)
         if self._behind:
-            if means[-1] - means[0] > step * (len(means) - 1):
-                self._grew_at = now
-            self._behind = now - self._grew_at < PACE_CALM_S
-        elif all(b - a > step for a, b in itertools.pairwise(means)):
-            self._behind, self._grew_at = True, now
+            self._behind = means[-1] - means[0] > step * (len(means) - 1)
+        else:
+            self._behind = all(b - a > step for a, b in itertools.pairwise(means))
         return self._behind
 
     def _advance(self, now: float, seconds_per_item: float | None) -> None:
@@ -321,7 +273,8 @@ class Pace:
         for _ in range(min(idle, self._closed.maxlen or 0)):
             self._closed.append(self._level)  # windows with no event held the backlog as it is
         if seconds_per_item:
-            self._window_s = max(PACE_MIN_WINDOW_S, PACE_WINDOW_REQUESTS * self._request_s(seconds_per_item))
+            answering = PACE_WINDOW_REQUESTS * self.request_items * seconds_per_item
+            self._window_s = max(PACE_MIN_WINDOW_S, answering)
         self._started = self._last = now
         self._area = 0.0
 

@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from service.batching import native
-from service.batching.admission import AdmissionRule, Pace, ServiceMeter, batch_room, predict_wait
+from service.batching.admission import AdmissionRule, Pace, ServiceMeter, predict_wait
 from service.batching.reply import Reply
 from service.batching.subbatch import Cost, CostModel, cut
 from service.batching.waiting import end_of_hub_turn
@@ -258,8 +258,6 @@ class Batcher:
         self._pace = pace or Pace()
         self._express_outstanding = 0
         self._was_behind = False
-        # The service's verdict from this worker's pace's (service.host.overload); None: its own.
-        self._service_behind: Callable[[bool], bool] | None = None
         self._bytes_per_item = 0.0  # a body's bytes per item, recent mean (0: none seen)
         self._queue: native.SimpleQueue[Any] = native.SimpleQueue()
         # Guards _depth, _accepting, the meter, the pace and the in-flight counts.
@@ -319,14 +317,8 @@ class Batcher:
         if 0 < items <= self._express_items:
             # The express lane: the small requests ahead, at half a batch a batch while
             # bulk work waits (so twice their items' time), and the batch running.
-            ahead = min(ahead, 2 * self._express_outstanding + self._room_locked())
+            ahead = min(ahead, 2 * self._express_outstanding + self._max_batch_size)
         return predict_wait(ahead, self._meter.seconds_per_item, items)
-
-    def _room_locked(self) -> int:
-        """Most items the next batch takes (admission.batch_room); under _lock."""
-        if self._admission is None:
-            return self._max_batch_size
-        return batch_room(self._max_batch_size, self._admission.budget_s, self._meter.seconds_per_item)
 
     def load(self) -> Load:
         """What the batcher holds now, for predictions made before a request's items are known."""
@@ -335,21 +327,14 @@ class Batcher:
             behind = self._behind(time.monotonic())
             return Load(self._meter.outstanding, spi, behind, self._pace.request_items)
 
-    def share_verdict(self, service_behind: Callable[[bool], bool]) -> None:
-        """Judge behind as the service: ``service_behind`` maps this worker's verdict to the service's."""
-        with self._lock:
-            self._service_behind = service_behind
-
     def _behind(self, now: float) -> bool:
         """The pace's verdict now (under _lock); a change is logged, as an operator wants to know of it."""
-        own = self._pace.behind(now, self._meter.seconds_per_item)
-        behind = own if self._service_behind is None else self._service_behind(own)
+        behind = self._pace.behind(now, self._meter.seconds_per_item)
         if behind != self._was_behind:
             self._was_behind = behind
             if behind:
                 log.warning(
-                    "arrivals outrun the answers%s: requests are admitted within the latency budget only",
-                    "" if own else " at another worker",
+                    "arrivals outrun the answers: requests are admitted within the latency budget only"
                 )
             else:
                 log.info(
@@ -613,9 +598,7 @@ class Batcher:
             self._wait(entry)
         first = self._waiting[0]
         gather_start = last_arrival = time.monotonic()
-        with self._lock:
-            room = self._room_locked()
-        while not self._draining and self._waiting_items() < room:
+        while not self._draining and self._waiting_items() < self._max_batch_size:
             wait_until = self._policy.deadline(
                 first_arrival=first.enqueued_at,
                 gather_start=gather_start,
@@ -635,7 +618,7 @@ class Batcher:
             # a switch interval for the GIL after each put, and by then a window
             # counted from the put would already be over.
             last_arrival = time.monotonic()
-        return self._select(room)
+        return self._select()
 
     def _waiting_items(self) -> int:
         return sum(len(pending.items) - pending.taken for pending in self._waiting)
@@ -651,8 +634,8 @@ class Batcher:
             self._queued_items -= sum(len(p.items) - p.taken for p in finished)
         self._report_depth()
 
-    def _select(self, room: int) -> list[Part]:
-        """The items the next batch runs, ``room`` at most: small requests first, then in arrival order.
+    def _select(self) -> list[Part]:
+        """The waiting items the next batch runs: small requests first, within a bound, then in arrival order.
 
         The express lane: a request of at most ``express_items`` goes ahead of
         bulk requests, so a one-text query that arrives during an indexing job
@@ -665,6 +648,7 @@ class Batcher:
         fit whole heads the next batch.
         """
         self._drop_finished()
+        room = self._max_batch_size
         bulk = [p for p in self._waiting if not p.express]
         express = [p for p in self._waiting if p.express]
         parts: list[Part] = []

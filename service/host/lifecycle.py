@@ -93,9 +93,6 @@ def serve_when_loaded(worker: Any) -> None:
     runtime.on_fault = lambda reason: os.kill(os.getpid(), signal.SIGTERM)
     while worker.alive and not runtime.wait_loaded(timeout=1.0):
         worker.notify()
-    if runtime.batcher is not None and getattr(worker, "serve_overload", None) is not None:
-        # Behind when any worker is (service.host.overload), before the first connection.
-        runtime.batcher.share_verdict(worker.serve_overload)
     # A worker told to stop while it loaded (the master is halting, e.g. because a
     # sibling failed to boot) just stops.
     if runtime.load_error is None or not worker.alive:

@@ -6,15 +6,7 @@ import math
 
 import pytest
 
-from service.batching.admission import (
-    PACE_CALM_S,
-    AdmissionRule,
-    Pace,
-    ServiceMeter,
-    StandingQueue,
-    batch_room,
-    predict_wait,
-)
+from service.batching.admission import AdmissionRule, Pace, ServiceMeter, StandingQueue, predict_wait
 
 # The request timeout by default: what a request may take while the service keeps up.
 DEADLINE = 30.0
@@ -289,27 +281,22 @@ def test_clients_joining_a_closed_loop_are_a_step_not_a_rate() -> None:
 def test_arrivals_that_outrun_the_answers_put_the_service_behind_and_it_recovers() -> None:
     pace = Pace()
     t, verdicts = 0.0, []
-    # Open loop at twice capacity: two one-item requests every 10 ms, one answered.
+    # Open loop at twice capacity: 2 items every 10 ms, 1 answered.
     while t < 3.0:
         t += ITEM_S
-        pace.offered(1, t)
-        pace.offered(1, t)
+        pace.offered(2, t)
         pace.answered(1, t)
         verdicts.append((t, pace.behind(t, ITEM_S)))
     first = next(at for at, late in verdicts if late)
-    assert 0.75 <= first <= 1.5  # within a few windows of the overload's start, not at once
+    assert 1.0 <= first <= 2.5  # within a few windows of the overload's start, not at once
     assert all(late for at, late in verdicts if at > first)
-    # The overload ends: arrivals match the answers again. Once the windows it looks
-    # back on (four of 0.25 s) are past the growth, it stays behind PACE_CALM_S more.
-    verdicts = []
-    while t < 8.0:
+    # The overload ends: arrivals match the answers again, and once the windows it
+    # looks back on (four of 0.5 s) are past the growth, it is not behind.
+    while t < 5.1:
         t += ITEM_S
         pace.offered(1, t)
         pace.answered(1, t)
-        verdicts.append((t, pace.behind(t, ITEM_S)))
-    calm = next(at for at, late in verdicts if not late)
-    assert 3.0 + PACE_CALM_S <= calm <= 4.0 + PACE_CALM_S
-    assert not any(late for at, late in verdicts if at > calm)
+    assert not pace.behind(t, ITEM_S)
 
 
 def test_refused_demand_keeps_an_overloaded_service_behind() -> None:
@@ -318,8 +305,7 @@ def test_refused_demand_keeps_an_overloaded_service_behind() -> None:
     t = 0.0
     while t < 4.0:
         t += ITEM_S
-        for _ in range(5):  # 5x capacity, four of every five refused
-            pace.offered(1, t)
+        pace.offered(5, t)  # 5x capacity, four of every five refused
         pace.answered(1, t)
     assert pace.behind(t, ITEM_S)
 
@@ -329,32 +315,3 @@ def test_an_unmeasured_or_idle_service_is_not_behind() -> None:
     pace.offered(10_000, 0.0)
     assert not pace.behind(5.0, None)  # no rate yet: nothing to compare with
     assert not pace.behind(100.0, ITEM_S)  # idle since: the backlog did not grow
-
-
-def test_a_batch_holds_what_a_quarter_of_the_budget_serves() -> None:
-    # 18 ms an item (64 mixed texts on one CPU core: 1.15 s), 2 s budget: 27 items, half a second.
-    assert batch_room(64, 2.0, 0.018) == 27
-    assert batch_room(64, 2.0, 0.001) == 64  # a fast model: the size limit binds
-    assert batch_room(64, 2.0, 5.0) == 1  # slower than the budget: one item still runs
-    assert batch_room(64, 2.0, None) == 64  # no rate yet
-    assert batch_room(64, math.inf, 0.018) == 64  # admission off
-
-
-def test_a_closed_loop_of_mixed_sizes_keeps_up_whatever_sizes_its_requests_have() -> None:
-    # 16 clients of 1 to 8 items: the items held swing with the sizes of the requests
-    # in the queue, the requests held do not.
-    import random
-
-    rng = random.Random(7)
-    pace = Pace()
-    sizes = [rng.randint(1, 8) for _ in range(16)]
-    for size in sizes:
-        pace.offered(size, 0.0)
-    t = 0.0
-    while t < 60.0:
-        size = sizes.pop(0)
-        t += size * ITEM_S
-        pace.answered(size, t)
-        sizes.append(rng.choice([1, 8]))  # the most the sizes can swing
-        pace.offered(sizes[-1], t + 0.002)
-        assert not pace.behind(t + 0.002, ITEM_S), f"behind at {t:.2f} s"
