@@ -49,7 +49,6 @@ from service.http.arrival import (
     HELD_OUT,
     HOLD_ENVIRON_KEY,
     LET_IN,
-    REFUSED_LENGTH_ENVIRON_KEY,
     RETURNING_ENVIRON_KEY,
 )
 
@@ -105,7 +104,6 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         self._arrivals.at = getattr(conn, "serve_arrived", None)
         self._arrivals.follow_up = getattr(conn, "serve_requests", 1) > 1
         self._arrivals.returning, conn.serve_returning = getattr(conn, "serve_returning", None), None
-        self._arrivals.refused_length = getattr(conn, "serve_refused_length", None)
         self._arrivals.hold_s = 0.0
         try:
             return super().handle(conn)
@@ -113,7 +111,6 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
             self._arrivals.at = None
             self._arrivals.returning = None
             conn.serve_hold_s = self._arrivals.hold_s
-            conn.serve_refused_length = self._arrivals.refused_length
 
     def finish_request(self, conn: Any, fs: Future[Any]) -> None:
         # In the event loop. Only a kept-alive connection (the result True) is held:
@@ -292,14 +289,11 @@ class StampedApp:
         returning = getattr(self._arrivals, "returning", None)
         if returning:
             environ[RETURNING_ENVIRON_KEY] = returning
-            environ[REFUSED_LENGTH_ENVIRON_KEY] = getattr(self._arrivals, "refused_length", None)
         environ[FOLLOW_UP_ENVIRON_KEY] = getattr(self._arrivals, "follow_up", True)
         environ[HANDLER_ENVIRON_KEY] = time.monotonic()
         one_write(start_response)
         answer = self._app(environ, start_response)
         self._arrivals.hold_s = environ.get(HOLD_ENVIRON_KEY, 0.0)
-        # What the request read after the hold is compared with (arrival.resends_refused).
-        self._arrivals.refused_length = environ.get("CONTENT_LENGTH") if self._arrivals.hold_s else None
         return answer
 
     def __getattr__(self, name: str) -> Any:

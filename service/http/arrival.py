@@ -41,9 +41,6 @@ HOLD_ENVIRON_KEY = "serve.hold_s"
 RETURNING_ENVIRON_KEY = "serve.returning"
 LET_IN = "let in"
 HELD_OUT = "held out"
-# Set by the worker beside RETURNING_ENVIRON_KEY: the Content-Length of the
-# request refused on that connection before the hold (None: it had none).
-REFUSED_LENGTH_ENVIRON_KEY = "serve.refused_length"
 # The longest hold: long enough that an immediate resender costs a refusal a
 # second at most, short enough that a connection its client closed meanwhile
 # is not kept long, whatever Retry-After a slow model's queue asks for.
@@ -92,25 +89,6 @@ def settle_wait(worker_stamp: object, now: float, proxy_waited: float) -> float:
     """
     own = now - worker_stamp if isinstance(worker_stamp, float) else 0.0
     return max(0.0, own, proxy_waited)
-
-
-def resends_refused(environ: dict[str, object]) -> bool:
-    """Whether the request read after a hold is the refused one sent again, not a new one.
-
-    A client that resends sends the same body on the same connection. An
-    open-loop client (a pool of kept-alive connections, a proxy's upstream
-    connections) sends its next request, another body, on whichever
-    connection is free, a refused one included. Counted as a resend, its
-    demand went uncounted (admission.Pace): under a 2x overload from such a
-    pool the refused connections carried most of the load, the demand seemed
-    to stop growing, and the service went back to admitting up to the
-    deadline while it was still overloaded. The body's length tells the two
-    apart without reading it: a different length is a new request; the same
-    length (or none, chunked) is taken for a resend.
-    """
-    if environ.get(RETURNING_ENVIRON_KEY) is None:
-        return False
-    return environ.get(REFUSED_LENGTH_ENVIRON_KEY) == environ.get("CONTENT_LENGTH")
 
 
 def ask_to_hold(environ: dict[str, object], retry_after_s: float, budget_s: float) -> None:

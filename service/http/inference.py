@@ -41,7 +41,6 @@ from service.http.arrival import (
     LET_IN,
     RETURNING_ENVIRON_KEY,
     TIMEOUT_ENVIRON_KEY,
-    resends_refused,
 )
 from service.models import Model
 from service.models.base import Outputs
@@ -172,7 +171,7 @@ def serve_batched(rt: ModelRuntime, environ: dict[str, Any], parse: Parser) -> B
             until,
             arrived,
             returning=returning == LET_IN,
-            resend=resends_refused(environ),
+            resend=returning is not None,
             first_on_connection=not environ.get(FOLLOW_UP_ENVIRON_KEY, True),
             queue_wait=_queue_wait(environ, arrived),
             body_bytes=body_bytes,

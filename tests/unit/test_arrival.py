@@ -1,19 +1,10 @@
-"""When a request arrived (nginx's X-Request-Start, bounded, the worker's stamp); resend or new request."""
+"""When a request arrived: nginx's X-Request-Start, bounded, and the worker's own stamp."""
 
 from __future__ import annotations
 
 import pytest
 
-from service.http.arrival import (
-    HELD_OUT,
-    LET_IN,
-    MAX_PROXY_WAIT_S,
-    REFUSED_LENGTH_ENVIRON_KEY,
-    RETURNING_ENVIRON_KEY,
-    proxy_wait,
-    resends_refused,
-    settle_wait,
-)
+from service.http.arrival import MAX_PROXY_WAIT_S, proxy_wait, settle_wait
 
 NOW = 1_800_000_000.0
 
@@ -61,23 +52,3 @@ def test_without_a_worker_stamp_only_the_proxy_counts() -> None:
 
 def test_a_stamp_from_the_future_never_counts_as_negative() -> None:
     assert settle_wait(13.0, now=12.0, proxy_waited=0.0) == 0.0
-
-
-def test_a_request_read_after_a_hold_is_a_resend_only_with_the_refused_ones_length() -> None:
-    def read_after_hold(how: str | None, refused: str | None, length: str | None) -> dict[str, object]:
-        environ: dict[str, object] = {}
-        if how is not None:
-            environ[RETURNING_ENVIRON_KEY] = how
-            environ[REFUSED_LENGTH_ENVIRON_KEY] = refused
-        if length is not None:
-            environ["CONTENT_LENGTH"] = length
-        return environ
-
-    assert resends_refused(read_after_hold(HELD_OUT, "120", "120"))
-    assert resends_refused(read_after_hold(LET_IN, "120", "120"))
-    # A pooled open-loop client's next request on the refused connection: new demand.
-    assert not resends_refused(read_after_hold(HELD_OUT, "120", "97"))
-    # No hold before it: never a resend, whatever its length.
-    assert not resends_refused(read_after_hold(None, None, "120"))
-    # Chunked, both: nothing tells them apart, so taken for a resend as before.
-    assert resends_refused(read_after_hold(HELD_OUT, None, None))

@@ -54,28 +54,3 @@ def test_requests_in_transit_are_those_let_in_and_not_yet_picked_up() -> None:
     assert transit.count(11.2) == 1
     transit.landed()
     assert transit.count(11.2) == 0
-
-
-def test_the_request_read_after_a_hold_carries_the_refused_ones_length() -> None:
-    # A refused request asks for a hold; the request its connection carries next
-    # is told the refused one's length, to tell a resend from a new request.
-    from service.http.arrival import HOLD_ENVIRON_KEY, REFUSED_LENGTH_ENVIRON_KEY, RETURNING_ENVIRON_KEY
-
-    class _Refusing(_App):
-        def __call__(self, environ: dict[str, Any], start_response: Any) -> list[bytes]:
-            environ[HOLD_ENVIRON_KEY] = 1.0
-            return super().__call__(environ, start_response)
-
-    app, arrivals = _Refusing(), threading.local()
-    stamped = StampedApp(app, arrivals)
-    stamped({"CONTENT_LENGTH": "120"}, lambda *a: None)
-    assert arrivals.refused_length == "120"
-    arrivals.returning = "held out"  # as the worker marks the request it reads after the hold
-    stamped({"CONTENT_LENGTH": "97"}, lambda *a: None)
-    assert app.environ[RETURNING_ENVIRON_KEY] == "held out"
-    assert app.environ[REFUSED_LENGTH_ENVIRON_KEY] == "120"
-
-    answered = StampedApp(_App(), arrivals)  # a request answered: no hold, nothing to compare with next
-    arrivals.returning = None
-    answered({"CONTENT_LENGTH": "97"}, lambda *a: None)
-    assert arrivals.refused_length is None
