@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from scripts.bench.gpu_report import Check, Report, format_report  # noqa: E402
-from scripts.bench.gpu_speed import SPEED_MOST_S, speed_seconds, speed_step  # noqa: E402
+from scripts.bench.gpu_speed import SPEED_MOST_S, environment, speed_seconds, speed_step  # noqa: E402
 from service.errors import SettingsError  # noqa: E402
 from service.settings import Settings, cuda_visible_devices  # noqa: E402
 from service.topology.inventory import Gpu, Inventory, read_inventory  # noqa: E402
@@ -470,15 +470,8 @@ def judge_exactness(rows: list[dict[str, Any]]) -> Check:
 @contextlib.contextmanager
 def visible(uuid: str) -> Iterator[None]:
     """Processes spawned inside see this GPU alone, as a planned worker does."""
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = uuid
-    try:
+    with environment({"CUDA_VISIBLE_DEVICES": uuid}):
         yield
-    finally:
-        if before is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def _in_spawned_process(function: Any, *args: Any) -> Any:
