@@ -19,6 +19,7 @@ from typing import Any
 
 from service.errors import SettingsError
 from service.image_spec import PREPROCESS_FILE
+from service.model_list import ModelEntry, parse_models
 from service.precision_spec import PRECISIONS
 
 WORKER_CLASSES = ("gthread", "gevent", "sync")
@@ -98,6 +99,12 @@ def _text(name: str, raw: str) -> str:
     value = raw.strip()
     if not value:
         raise SettingsError(f"{name} must not be empty")
+    return value
+
+
+def _model_list(name: str, raw: str) -> str:
+    value = _text(name, raw)
+    parse_models(value)  # refused now if its grammar is broken (service.model_list)
     return value
 
 
@@ -201,7 +208,8 @@ def default_body_bytes(model: str, max_image_pixels: int) -> int:
     checks the rest). A factory that serves images is not seen from here: it
     sets SERVE_MAX_BODY_BYTES itself.
     """
-    if (Path(model) / PREPROCESS_FILE).is_file():
+    specs = [entry.spec for entry in parse_models(model)]
+    if any((Path(spec) / PREPROCESS_FILE).is_file() for spec in specs):
         return image_body_bytes(max_image_pixels)
     return DEFAULT_BODY_BYTES
 
@@ -323,6 +331,15 @@ class Settings:
         return max(LINGER_MIN_BYTES, 2 * self.max_body_bytes)
 
     @property
+    def models(self) -> tuple[ModelEntry, ...]:
+        """The models SERVE_MODEL lists, the default first (service.model_list)."""
+        return parse_models(self.model)
+
+    def for_model(self, entry: ModelEntry) -> Settings:
+        """These settings for one of the models: ``model`` is its spec alone."""
+        return dataclasses.replace(self, model=entry.spec)
+
+    @property
     def documents_limit(self) -> int:
         """Most documents in one rerank request: SERVE_MAX_DOCUMENTS_PER_REQUEST, within the items' limit."""
         return min(self.max_documents_per_request, self.max_items_per_request)
@@ -368,7 +385,7 @@ class Settings:
 # field name -> (environment variable, parser). docs/settings.md has a row for each, with its
 # default and range; tests/unit/test_settings_docs.py keeps the two in step.
 _FIELDS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
-    "model": ("SERVE_MODEL", _text),
+    "model": ("SERVE_MODEL", _model_list),
     "max_batch_size": ("SERVE_MAX_BATCH_SIZE", _Integer(1, 4096)),
     "max_batch_delay_ms": ("SERVE_MAX_BATCH_DELAY_MS", _Number(0, 10_000)),
     "batch_gather": ("SERVE_BATCH_GATHER", _Choice(BATCH_GATHER_POLICIES)),
