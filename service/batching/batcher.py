@@ -55,6 +55,7 @@ import numpy as np
 
 from service.batching import native
 from service.batching.admission import AdmissionRule, Pace, ServiceMeter, predict_wait
+from service.batching.model_time import ModelTime
 from service.batching.reply import Reply
 from service.batching.subbatch import Cost, CostModel, cut
 from service.batching.waiting import end_of_hub_turn
@@ -237,6 +238,7 @@ class Batcher:
         admission: AdmissionRule | None = None,
         express_items: int | None = None,
         pace: Pace | None = None,
+        model_time: ModelTime | None = None,
     ) -> None:
         self._predict = predict
         self._sizer = sizer
@@ -283,6 +285,12 @@ class Batcher:
         # what ended the thread if something other than stop() did.
         self.busy_since: float | None = None
         self.crash: str | None = None
+        # Shared with the worker's other models (service.batching.model_time); None when alone.
+        self._model_time = model_time
+        self._share = model_time.join(self.backlog_s) if model_time is not None else -1
+        # Seconds this batch's calls waited for the other models' (left out of its model time).
+        self._turn_waits_s = 0.0
+        self._last_turn_wait_s = 0.0
 
     # -- caller side ------------------------------------------------------------
 
@@ -318,7 +326,21 @@ class Batcher:
             # The express lane: the small requests ahead, at half a batch a batch while
             # bulk work waits (so twice their items' time), and the batch running.
             ahead = min(ahead, 2 * self._express_outstanding + self._max_batch_size)
-        return predict_wait(ahead, self._meter.seconds_per_item, items)
+        own = predict_wait(ahead, self._meter.seconds_per_item, items)
+        if self._model_time is None:
+            return own
+        # The other models take turns with this one, call by call: while this
+        # request's work and the work ahead of it run, at most as much of theirs does.
+        return own + min(own, self._model_time.others_backlog(self._share))
+
+    def backlog_s(self) -> float:
+        """Seconds of model time in the work accepted and not yet answered, for the other models' predictions.
+
+        Read from their threads without this batcher's lock: a prediction may see
+        a count a request old.
+        """
+        spi = self._meter.seconds_per_item
+        return self._meter.outstanding * spi if spi else 0.0
 
     def load(self) -> Load:
         """What the batcher holds now, for predictions made before a request's items are known."""
@@ -809,7 +831,7 @@ class Batcher:
         started = time.monotonic()
         outputs = self._call(items)
         if not isinstance(outputs, ServeError):
-            self.cost.observe(len(items), time.monotonic() - started)
+            self.cost.observe(len(items), time.monotonic() - started - self._last_turn_wait_s)
         if isinstance(outputs, ServeError):
             if len(live) == 1 or isinstance(outputs, Overloaded):
                 for part in live:
@@ -832,7 +854,19 @@ class Batcher:
             start = end
 
     def _call(self, items: list[Any]) -> Outputs | ServeError:
-        """The model's outputs for ``items``, or the error its callers are told (client_error logs why)."""
+        """The model's outputs for ``items``, or the error its callers are told (client_error logs why).
+
+        With other models in the worker, the call first takes its turn of the
+        model time; the wait is kept in _last_turn_wait_s, apart from the call's own time.
+        """
+        if self._model_time is None:
+            return self._call_model(items)
+        with self._model_time.turn() as waited:
+            self._last_turn_wait_s = waited
+            self._turn_waits_s += waited
+            return self._call_model(items)
+
+    def _call_model(self, items: list[Any]) -> Outputs | ServeError:
         try:
             outputs = self._predict(items)
             check_count(outputs, len(items))
@@ -877,7 +911,9 @@ class Batcher:
 
     def _batch_ran(self, live: list[Part], items: int, started: float) -> None:
         """Record a batch that ran from ``started``: the model time gathering expects, and the metrics."""
-        elapsed = time.monotonic() - started
+        # The model's own time: waits for the other models' turns are left out.
+        elapsed = max(0.0, time.monotonic() - started - self._turn_waits_s)
+        self._turn_waits_s = 0.0
         # Smoothed so one slow batch does not stretch the next gathering window much.
         self._model_time_s = elapsed if self._model_time_s == 0 else 0.8 * self._model_time_s + 0.2 * elapsed
         with self._lock:
@@ -899,7 +935,7 @@ class Batcher:
                 return padded
             log.warning("sub-batch of %d items failed; re-running them one by one", len(entries))
             return sum(self._run_entries(batch, [e]) for e in entries if e[1] not in batch.failed)
-        self.cost.observe(padded, time.monotonic() - started)
+        self.cost.observe(padded, time.monotonic() - started - self._last_turn_wait_s)
         # A request's rows may come from several calls: its result is looked at
         # row by row once any call of this batch returned NaN or infinity.
         batch.finite = batch.finite and first_non_finite(outputs) is None
