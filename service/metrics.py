@@ -18,12 +18,19 @@
 #   live in this app's own registry, which /metrics renders.
 # - Threads: request threads record through the HTTP hooks (service.access)
 #   and the door into a Tally (service.tally), which writes a batch of their
-#   updates at a time; the batch thread and the loader thread write through the
-#   BatchObserver methods. prometheus_client holds a lock only for the length of one update, with no
+#   updates at a time; each served model's batch thread and loader thread write
+#   through its own BatchObserver (for_model: service.model_metrics), into the
+#   same Tally. prometheus_client holds a lock only for the length of one update, with no
 #   switch to another greenlet inside. Under gunicorn its locks are native OS
 #   locks even in a gevent worker, because gunicorn_conf.py imports it in the
 #   master, before gevent patches the forked worker: the batch thread and the
 #   greenlets share them as they share service.batching.native's.
+# - The model label: a model's batching, queue, load and shedding series, and
+#   the request series, carry model=<served name>. A request's comes from its
+#   environ (MODEL_ENVIRON_KEY, set by the routing code once its model is
+#   known), "" where it never was (probes, scrapes, refusals before routing).
+#   Worker-level series (memory, worker_info, in flight) carry none: several
+#   models share a worker's process and device.
 
 """Prometheus metrics of the service, aggregated over all gunicorn workers."""
 
@@ -49,6 +56,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from service.batching.batcher import BatchObserver
 from service.errors import DeadlineExceeded, Overloaded, ServeError, SettingsError
+from service.model_metrics import NO_MODEL, ModelMetrics
 from service.settings import Settings
 from service.tally import Tally
 
@@ -86,7 +94,12 @@ GpuMemoryReader = Callable[[str], tuple[int, int]]
 
 
 class Metrics(BatchObserver):
-    """The worker's metrics: a Flask extension and the batcher's observer."""
+    """The worker's metrics: a Flask extension, and through ``for_model`` each served model's observer.
+
+    Itself a BatchObserver too, for a runtime still given ``observer=metrics``:
+    its hooks go to one ``for_model(None)`` observer, named by its first
+    ``on_model_info``.
+    """
 
     def __init__(self, settings: Settings, *, gpu_memory: GpuMemoryReader | None = None) -> None:
         self.multiproc_dir = settings.prometheus_multiproc_dir
@@ -103,9 +116,15 @@ class Metrics(BatchObserver):
         self._gpu: tuple[str, str] | None = None
         r = self.registry
         # Gauges sum over live workers ('livesum') unless they say otherwise.
-        self.requests = _counter(r, "serve_http_requests_total", "HTTP requests answered.", "route", "code")
+        self.requests = _counter(
+            r, "serve_http_requests_total", "HTTP requests answered.", "route", "code", "model"
+        )
         self.request_duration = _histogram(
-            r, "serve_http_request_duration_seconds", "From a request's arrival to its response.", "route"
+            r,
+            "serve_http_request_duration_seconds",
+            "From a request's arrival to its response.",
+            "route",
+            "model",
         )
         self.wait_before_handler = _histogram(
             r,
@@ -116,41 +135,62 @@ class Metrics(BatchObserver):
         self.in_flight = _gauge(
             r, "serve_http_requests_in_flight", "Requests being handled now, /metrics scrapes included."
         )
+        # Per served model (service.model_metrics): each has its own batcher.
         self.queue_wait = _histogram(
-            r, "serve_batch_queue_wait_seconds", "Time a batched request spent queued before its batch ran."
+            r,
+            "serve_batch_queue_wait_seconds",
+            "Time a batched request spent queued before its batch ran.",
+            "model",
         )
         self.model_duration = _histogram(
-            r, "serve_batch_model_duration_seconds", "Time the model took to run one batch."
+            r, "serve_batch_model_duration_seconds", "Time the model took to run one batch.", "model"
         )
         self.batch_size = _histogram(
-            r, "serve_batch_size_items", "Items in each batch the model ran.", buckets=BATCH_SIZE_BUCKETS
+            r,
+            "serve_batch_size_items",
+            "Items in each batch the model ran.",
+            "model",
+            buckets=BATCH_SIZE_BUCKETS,
         )
-        self.items = _counter(r, "serve_inferred_items_total", "Items the batcher ran through the model.")
-        self.batches = _counter(r, "serve_batches_total", "Batches the batcher ran through the model.")
+        self.items = _counter(
+            r, "serve_inferred_items_total", "Items the batcher ran through the model.", "model"
+        )
+        self.batches = _counter(
+            r, "serve_batches_total", "Batches the batcher ran through the model.", "model"
+        )
         # Length-aware batches (models that report item sizes): real against padded
         # tokens shows what padding wastes; sub-batches how the batches were cut.
         self.tokens = _counter(
             r,
             "serve_batch_tokens_total",
             "Token positions run: real (the items' own), padded (rows x longest, real included).",
+            "model",
             "kind",
         )
         self.sub_batches = _histogram(
             r,
             "serve_batch_sub_batches",
             "Model calls each length-aware batch was cut into.",
+            "model",
             buckets=BATCH_SIZE_BUCKETS,
         )
         self.queue_depth = _gauge(
-            r, "serve_batch_queue_depth", "Batched requests queued, not yet in a batch."
+            r, "serve_batch_queue_depth", "Batched requests queued, not yet in a batch.", "model"
         )
-        self.rejected = _counter(r, "serve_rejected_requests_total", "Requests refused with 503.", "reason")
+        self.rejected = _counter(
+            r, "serve_rejected_requests_total", "Requests refused with 503.", "model", "reason"
+        )
         self.timed_out = _counter(
-            r, "serve_timed_out_requests_total", "Requests whose deadline passed (504).", "reason"
+            r, "serve_timed_out_requests_total", "Requests whose deadline passed (504).", "model", "reason"
         )
         # Per worker: 'liveall' keeps one series per live process and adds its pid label.
         self.model_load = _gauge(
-            r, "serve_model_load_seconds", "Time the worker took to load its model.", "slot", per_worker=True
+            r,
+            "serve_model_load_seconds",
+            "Time the worker took to load the model.",
+            "slot",
+            "model",
+            per_worker=True,
         )
         self.worker_info = _gauge(
             r,
@@ -159,12 +199,15 @@ class Metrics(BatchObserver):
             *_WORKER_LABELS,
             per_worker=True,
         )
-        # Which model the workers serve and its task: what a dashboard's panels are about.
+        # Which models the workers serve and their tasks: what a dashboard's panels are about.
+        # `model` is the served name, which the other series carry; `name` the model's own.
         self.model_info = _gauge(
             r,
             "serve_model_info",
-            "1 per live worker, labelled with the name, task and precision of the model it serves.",
+            "1 per live worker and model it serves, labelled with its served name (model), its own name, "
+            "its task and precision.",
             "slot",
+            "model",
             "name",
             "task",
             "precision",
@@ -177,6 +220,7 @@ class Metrics(BatchObserver):
             "How close the model's outputs in the precision in use are to float32's on the sample items, "
             "by figure (min_cosine, median_cosine, top1_agreement, max_score_diff).",
             "slot",
+            "model",
             "figure",
             per_worker=True,
         )
@@ -232,17 +276,15 @@ class Metrics(BatchObserver):
         )
         self._smaps_read_at = -SMAPS_EVERY_S
         self._device_label = self._planned_device or "cpu"
-        for reason in REJECTION_REASONS:
-            self.rejected.labels(reason)
-        for reason in TIMEOUT_REASONS:
-            self.timed_out.labels(reason)
         # Looked up once: labels() takes the metric's lock on every call.
-        self._real_tokens = self.tokens.labels("real")
-        self._padded_tokens = self.tokens.labels("padded")
-        self._request_series: dict[tuple[str, int], tuple[Any, Any]] = {}
-        self._shed_series: dict[tuple[Counter, str], Any] = {}
-        # Request threads' updates, written a batch at a time (service.tally).
-        self._tally = Tally(in_flight=self.in_flight)
+        self._request_series: dict[tuple[str, int, str], tuple[Any, Any]] = {}
+        self._shed_series: dict[tuple[Counter, str, str], Any] = {}
+        # Refusals before a request's model is known (the door's) count under no model.
+        self.open_shedding(NO_MODEL)
+        # Request threads' and batch threads' updates, written a batch at a time (service.tally).
+        self.tally = Tally(in_flight=self.in_flight)
+        # Where the BatchObserver hooks of Metrics itself go (see the class's docstring).
+        self._unnamed = ModelMetrics(self, None)
 
     def init_app(self, app: Flask) -> None:
         app.extensions[EXTENSION] = self
@@ -251,74 +293,94 @@ class Metrics(BatchObserver):
     # -- HTTP side (service.access) -----------------------------------------------
 
     def request_started(self) -> None:
-        self._tally.enter()
+        self.tally.enter()
 
     def request_finished(self) -> None:
-        self._tally.leave()
+        self.tally.leave()
 
-    def observe_request(self, route: str, code: int, seconds: float) -> None:
+    def observe_request(self, route: str, code: int, seconds: float, model: str = NO_MODEL) -> None:
+        """One answered request; ``model``: the served name it was routed to, "" if none was known."""
         # labels() takes the metric's lock and checks its values on every call;
-        # routes and codes are few, so each pair's series are looked up once.
-        series = self._request_series.get((route, code))
+        # routes, codes and served models are few, so each one's series are looked up once.
+        key = (route, code, model)
+        series = self._request_series.get(key)
         if series is None:
-            series = (self.requests.labels(route, str(code)), self.request_duration.labels(route))
-            self._request_series[(route, code)] = series
+            series = (
+                self.requests.labels(route, str(code), model),
+                self.request_duration.labels(route, model),
+            )
+            self._request_series[key] = series
         count, duration = series
-        self._tally.inc(count)
-        self._tally.observe(duration, seconds)
-        self._tally.settle()
+        self.tally.inc(count)
+        self.tally.observe(duration, seconds)
+        self.tally.settle()
 
     def observe_wait(self, seconds: float) -> None:
         # The door's, just before the request enters (request_started) or is
         # refused (observe_request): either flushes it, so it is not flushed
         # here too, once more for every request that finds its worker idle.
-        self._tally.observe(self.wait_before_handler, seconds)
-        self._tally.defer()
+        self.tally.observe(self.wait_before_handler, seconds)
+        self.tally.defer()
 
-    def count_error(self, exc: ServeError) -> None:
-        """Count a shed request by its reason; called once per request, where it is answered."""
+    def count_error(self, exc: ServeError, model: str = NO_MODEL) -> None:
+        """Count a shed request by its reason and model; called once per request, where it is answered."""
         if isinstance(exc, DeadlineExceeded):
             metric = self.timed_out
         elif isinstance(exc, Overloaded):
             metric = self.rejected
         else:
             return
-        series = self._shed_series.get((metric, exc.reason))
+        key = (metric, exc.reason, model)
+        series = self._shed_series.get(key)
         if series is None:
-            series = self._shed_series[(metric, exc.reason)] = metric.labels(exc.reason)
-        self._tally.inc(series)
-        self._tally.settle()
+            series = self._shed_series[key] = metric.labels(model, exc.reason)
+        self.tally.inc(series)
+        self.tally.settle()
 
-    # -- batcher side (BatchObserver) ---------------------------------------------
+    def open_shedding(self, model: str) -> None:
+        """Create ``model``'s shedding series at zero, so that rate() over them works before the first."""
+        for metric, reasons in ((self.rejected, REJECTION_REASONS), (self.timed_out, TIMEOUT_REASONS)):
+            for reason in reasons:
+                self._shed_series[(metric, reason, model)] = metric.labels(model, reason)
+
+    # -- per served model (BatchObserver) -----------------------------------------
+
+    def for_model(self, name: str | None = None) -> ModelMetrics:
+        """The BatchObserver of one served model: its series labelled model=``name``.
+
+        Called once per model, in the worker. With ``name=None`` the label is
+        the name of the observer's first ``on_model_info``.
+        """
+        return ModelMetrics(self, name)
 
     def on_batch(self, items: int, requests: int, queue_waits: list[float], model_seconds: float) -> None:
-        # Written with the request threads' updates: the batch thread takes no
-        # metrics lock, and a burst of small batches costs one write per series.
-        tally = self._tally
-        tally.observe(self.batch_size, items)
-        tally.inc(self.items, items)
-        tally.inc(self.batches)
-        tally.observe(self.model_duration, model_seconds)
-        tally.observe_many(self.queue_wait, queue_waits)
-        tally.settle()
+        self._unnamed.on_batch(items, requests, queue_waits, model_seconds)
+
+    def on_queue_depth(self, depth: int) -> None:
+        self._unnamed.on_queue_depth(depth)
+
+    def on_sub_batches(self, real_tokens: int, padded_tokens: int, sub_batches: int) -> None:
+        self._unnamed.on_sub_batches(real_tokens, padded_tokens, sub_batches)
+
+    def on_model_loaded(self, device: str, seconds: float) -> None:
+        self._unnamed.on_model_loaded(device, seconds)
+
+    def on_model_info(self, name: str, task: str, precision: str = "float32") -> None:
+        self._unnamed.on_model_info(name, task, precision)
+
+    def on_precision(self, exactness: dict[str, float]) -> None:
+        self._unnamed.on_precision(exactness)
+
+    # -- the worker's own figures, whichever model's hooks call them --------------
+
+    def batch_ran(self) -> None:
+        """After any model's batch: the worker's memory figures, each read at most as often as it says."""
         self._record_gpu_memory()
         self._record_resident_memory()
 
-    def on_queue_depth(self, depth: int) -> None:
-        # Twice a request (queued, taken): written with the request threads' updates.
-        self._tally.set(self.queue_depth, depth)
-        self._tally.settle()
-
-    def on_sub_batches(self, real_tokens: int, padded_tokens: int, sub_batches: int) -> None:
-        tally = self._tally
-        tally.inc(self._real_tokens, real_tokens)
-        tally.inc(self._padded_tokens, padded_tokens)
-        tally.observe(self.sub_batches, sub_batches)
-        tally.settle()
-
-    def on_model_loaded(self, device: str, seconds: float) -> None:
+    def model_loaded(self, device: str) -> None:
+        """A model of this worker loaded on ``device``: the worker serves, on its (planned) device."""
         label = self._planned_device or device
-        self.model_load.labels(self.slot).set(seconds)
         self.worker_info.labels(self.slot, label).set(1)
         self._device_label = label
         self._record_resident_memory(force=True, detail=True)
@@ -327,6 +389,7 @@ class Metrics(BatchObserver):
             self._record_gpu_memory()
 
     def _record_resident_memory(self, force: bool = False, *, detail: bool = False) -> None:
+        # Two models' batch threads may both pass the check and both read: harmless, and rare.
         now = time.monotonic()
         if not force and now - self._rss_read_at < RSS_EVERY_S:
             return
@@ -345,13 +408,6 @@ class Metrics(BatchObserver):
             if master is not None:
                 self.master_memory.set(master.pss)
 
-    def on_model_info(self, name: str, task: str, precision: str = "float32") -> None:
-        self.model_info.labels(self.slot, name, task, precision).set(1)
-
-    def on_precision(self, exactness: dict[str, float]) -> None:
-        for figure, value in exactness.items():
-            self.exactness.labels(self.slot, figure).set(value)
-
     def _record_gpu_memory(self) -> None:
         if self._gpu is None:
             return
@@ -364,13 +420,13 @@ class Metrics(BatchObserver):
 
     def flush(self) -> None:
         """Write the request threads' updates not yet written (a worker about to exit)."""
-        self._tally.flush()
+        self.tally.flush()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every worker's metrics."""
         # Other workers' figures are as of their last batch and their last flush
         # (service.tally: exact once idle); this one's are fresh.
-        self._tally.flush()
+        self.tally.flush()
         self._record_gpu_memory()
         self._record_resident_memory(force=True)
         if self.registry is not None:

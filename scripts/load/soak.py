@@ -30,7 +30,6 @@ import http.client
 import json
 import os
 import random
-import re
 import signal
 import sys
 import threading
@@ -212,12 +211,17 @@ def background(task: Faults | Memory) -> Iterator[None]:
 
 # -- report ---------------------------------------------------------------------------
 
-_REJECTED = re.compile(r'^serve_rejected_requests_total\{reason="([a-z_]+)"\} (\S+)$', re.MULTILINE)
-
 
 def rejections(server: Service) -> dict[str, int]:
-    """The service's own count of 503s by reason, over every worker since the master started."""
-    return {reason: round(float(n)) for reason, n in _REJECTED.findall(_get(server, "/metrics")) if float(n)}
+    """The service's own count of 503s by reason, over every worker and model since the master started."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts: Counter[str] = Counter()
+    for family in text_string_to_metric_families(_get(server, "/metrics")):
+        for sample in family.samples:
+            if sample.name == "serve_rejected_requests_total":  # one series per (model, reason)
+                counts[sample.labels["reason"]] += sample.value
+    return {reason: round(n) for reason, n in counts.items() if n}
 
 
 def phase(result: openloop.Result, start: float, end: float) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from flask import Request
 from werkzeug.routing import Rule
 from werkzeug.wsgi import get_path_info
 
-from service.http.arrival import ARRIVAL_ENVIRON_KEY
+from service.http.arrival import ARRIVAL_ENVIRON_KEY, MODEL_ENVIRON_KEY
 from service.logs import ACCESS_LOGGER
 from service.metrics import UNMATCHED_ROUTE, Metrics
 
@@ -124,7 +124,7 @@ class Access:
                 rule = environ.get(RULE_ENVIRON_KEY)
                 route = rule.rule if rule is not None else UNMATCHED_ROUTE
                 code = int(status[:3]) if status[:3].isdigit() else 500
-                metrics.observe_request(route, code, seconds)
+                metrics.observe_request(route, code, seconds, environ.get(MODEL_ENVIRON_KEY, ""))
                 if access_log.isEnabledFor(logging.INFO):
                     _write_access_line(environ, rid, route, code, seconds)
             except Exception:

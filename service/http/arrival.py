@@ -19,6 +19,10 @@ from __future__ import annotations
 # (X-Request-Timeout-Ms): the door reads it before the route does.
 TIMEOUT_ENVIRON_KEY = "HTTP_X_REQUEST_TIMEOUT_MS"
 
+# The served name of the model a request was routed to (service.models_set), once
+# known: for the model label of its request and shedding metrics (service.http.access).
+MODEL_ENVIRON_KEY = "serve.model"
+
 # The monotonic time the worker stamped, then the arrival the door settled on.
 ARRIVAL_ENVIRON_KEY = "serve.arrived"
 

@@ -20,7 +20,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 from service.errors import Overloaded, ServeError, Unauthorized
 from service.http import openai_api, rerank
 from service.http.access import REQUEST_ID_ENVIRON_KEY
-from service.http.arrival import ask_to_hold
+from service.http.arrival import MODEL_ENVIRON_KEY, ask_to_hold
 
 if TYPE_CHECKING:
     from service.metrics import Metrics
@@ -66,7 +66,7 @@ def answer_error(
     headers: list[tuple[str, str]] = []
     cause: BaseException | None = exc
     if isinstance(exc, ServeError):
-        metrics.count_error(exc)
+        metrics.count_error(exc, environ.get(MODEL_ENVIRON_KEY, ""))
         status, message = exc.status, exc.message
         if isinstance(exc, Overloaded):
             headers.append(("Retry-After", str(exc.retry_after_s)))

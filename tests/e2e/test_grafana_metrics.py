@@ -12,7 +12,7 @@ from service.metrics import Metrics
 from service.settings import Settings
 from tests.support.metrics import Scrape
 from tests.support.prometheus import RULE_FILES
-from tests.support.promql import from_grafana, metric_names
+from tests.support.promql import from_grafana, metric_names, selectors
 from tests.support.server import gunicorn
 
 pytestmark = pytest.mark.e2e
@@ -49,8 +49,19 @@ def test_every_query_reads_only_metrics_the_service_exports() -> None:
         # One request on each prediction route, so that every histogram has a sample.
         for route in ("/predict/batched", "/predict/naive"):
             assert server.post(route, json={"inputs": [[0.5] * 4]}).status_code == 200
-        live = Scrape.parse(server.get("/metrics").content).names()
-    exported = live | gpu_worker_series() | recorded_series() | PROMETHEUS_SERIES
+        scrape = Scrape.parse(server.get("/metrics").content)
+    exported = scrape.names() | gpu_worker_series() | recorded_series() | PROMETHEUS_SERIES
     for query in queries():
         unknown = metric_names(from_grafana(query)) - exported
         assert not unknown, f"{query!r} reads {sorted(unknown)}, which the service does not export"
+    # What a panel filters by $model carries the label in every series the service exports.
+    (info,) = scrape.series("serve_model_info")
+    filtered = {name for query in queries() for name, matchers in selectors(query) if "model=~" in matchers}
+    assert "serve_batch_queue_depth" in filtered
+    for name in filtered:
+        series = scrape.series(name)
+        assert series, f"{name} is filtered by model but has no series"
+        assert all("model" in labels for labels in series), f"{name}: {series}"
+        if name.startswith(("serve_batch", "serve_inferred", "serve_model_load")):
+            # The model's own series: labelled with the name serve_model_info gives it.
+            assert {labels["model"] for labels in series} == {info["model"]}, f"{name}: {series}"

@@ -17,6 +17,7 @@ import pytest
 import requests
 
 from scripts.common.launcher import ROOT, free_port
+from tests.support.metrics import Scrape
 
 PODMAN = shutil.which("podman")
 BUILD_TIMEOUT_S = 1500
@@ -114,8 +115,8 @@ def test_image_builds_runs_and_serves_embeddings(container: tuple[str, str]) -> 
     assert len(embedding) == 384
     assert abs(sum(x * x for x in embedding) - 1) < 1e-3  # L2-normalised
     # Its metrics, from the tmpfs directory every worker writes to.
-    metrics = requests.get(f"{url}/metrics", timeout=30).text
-    assert 'serve_http_requests_total{code="200",route="/predict"} 1.0' in metrics
+    metrics = Scrape.parse(requests.get(f"{url}/metrics", timeout=30).text)
+    assert metrics.total("serve_http_requests_total", code="200", route="/predict") == 1
     # Not root; the build's CA secret is in no layer.
     assert podman("exec", name, "id", "-u").stdout.strip() == IMAGE_UID
     assert podman("exec", name, "ls", "/run/secrets").stdout.strip() == ""

@@ -102,6 +102,12 @@ def test_counters_equal_what_was_sent_over_both_workers(two_workers: Server) -> 
     assert after.total("serve_batch_size_items_sum") == after.total("serve_inferred_items_total")
     assert after.total("serve_batch_model_duration_seconds_count") == after.total("serve_batches_total")
     assert 7 + 3 < sent("serve_batches_total") <= 7 + 3 + 24
+    # Both workers label their batches with the one model's served name, as its info
+    # does; a 404 reached no model, and says so with an empty label.
+    (model,) = {labels["model"] for labels in after.series("serve_model_info")}
+    for name in ("serve_batches_total", "serve_batch_size_items_count", "serve_batch_queue_depth"):
+        assert {labels["model"] for labels in after.series(name)} == {model}, name
+    assert {labels["model"] for labels in after.series(REQUESTS) if labels["route"] == "unmatched"} == {""}
     # Both workers are in the one scrape, with their pids, and nothing is left in flight.
     assert sorted(int(s["pid"]) for s in after.series("serve_worker_info")) == sorted(answered)
     assert after.total("serve_http_requests_in_flight") == 1  # this scrape

@@ -25,6 +25,7 @@ import pytest
 import requests
 
 from scripts.load import openloop
+from tests.support.metrics import Scrape
 from tests.support.nginx import NGINX, SKIP_REASON, nginx
 from tests.support.raw_http import read_response
 from tests.support.server import Server, gunicorn
@@ -46,10 +47,9 @@ def bodies() -> list[openloop.Request]:
 
 
 def rejected_over_budget(server: Server) -> float:
-    metrics = server.get("/metrics").text
-    found = re.search(r'^serve_rejected_requests_total\{reason="over_budget"\} (\S+)$', metrics, re.MULTILINE)
-    assert found, "no over_budget series in /metrics"
-    return float(found.group(1))
+    metrics = Scrape.parse(server.get("/metrics").text)
+    assert any(s["reason"] == "over_budget" for s in metrics.series("serve_rejected_requests_total"))
+    return metrics.total("serve_rejected_requests_total", reason="over_budget")
 
 
 @pytest.mark.parametrize("worker_class", ["gthread", "gevent"])

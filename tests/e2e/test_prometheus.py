@@ -8,7 +8,7 @@ import pytest
 
 from scripts.common.launcher import ROOT
 from tests.support.prometheus import PROMETHEUS, SKIP_PROMETHEUS, prometheus
-from tests.support.promql import from_grafana
+from tests.support.promql import all_values, from_grafana, groupings, metric_names
 from tests.support.server import gunicorn
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(PROMETHEUS is None, reason=SKIP_PROMETHEUS)]
@@ -17,6 +17,8 @@ WIDTH = 4
 SMALL = {"SERVE_MODEL": "mlp", "SERVE_MLP_WIDTH": str(WIDTH), "SERVE_MLP_DEPTH": "1", "SERVE_WORKERS": "1"}
 BATCHED, NAIVE = 7, 3
 ITEMS_PER_REQUEST = 2
+# The series a model's batcher writes (service.model_metrics).
+BATCHING = ("serve_batch", "serve_inferred")
 
 
 def counts(result: list[dict[str, object]]) -> dict[tuple[str, str], float]:
@@ -51,13 +53,20 @@ def test_prometheus_scrapes_the_service_and_evaluates_the_rules() -> None:
         scraped(1, 1)
         send(BATCHED - 1, NAIVE - 1)
         scraped(BATCHED, NAIVE)
-        # Recording rules over what was scraped: every batch held one request's items.
+        # Recording rules over what was scraped: every batch held one request's items,
+        # and the figure is the one model's, named as its info names it.
+        (info,) = prom.query("serve_model_info")
+        model = info["metric"]["model"]
         prom.wait_for(
-            "job:serve_batch_size_items:mean5m",
-            lambda r: bool(r) and abs(float(r[0]["value"][1]) - ITEMS_PER_REQUEST) < 1e-9,
+            "job_model:serve_batch_size_items:mean5m",
+            lambda r: (
+                len(r) == 1
+                and r[0]["metric"].get("model") == model
+                and abs(float(r[0]["value"][1]) - ITEMS_PER_REQUEST) < 1e-9
+            ),
         )
         prom.wait_for(
-            'job_route_code:serve_http_requests:rate5m{route="/predict/batched", code="200"}',
+            'job_model_route_code:serve_http_requests:rate5m{route="/predict/batched", code="200"}',
             lambda r: bool(r) and float(r[0]["value"][1]) > 0,
         )
         # Every rule, alerts included, evaluates against the live series without an error.
@@ -69,8 +78,17 @@ def test_prometheus_scrapes_the_service_and_evaluates_the_rules() -> None:
         # The service is healthy: no alert fires.
         firing = [r["name"] for g in groups for r in g["rules"] if r.get("state") == "firing"]
         assert firing == []
-        # Every dashboard query runs on the real server.
+        # Every dashboard query runs on the real server, with "All" models chosen; a
+        # batching panel draws one line per model, named.
         dashboard = json.loads((ROOT / "deploy" / "grafana" / "torch-serve-batched.json").read_text())
+        chosen = all_values(dashboard)
+        per_model = 0
         for panel in dashboard["panels"]:
             for target in panel["targets"]:
-                prom.query(from_grafana(target["expr"]))
+                expr = target["expr"]
+                result = prom.query(from_grafana(expr, variables=chosen))
+                batching = all(name.startswith(BATCHING) for name in metric_names(expr))
+                if batching and all("model" in labels for labels in groupings(expr)):
+                    assert all(r["metric"].get("model") == model for r in result), (expr, result)
+                    per_model += len(result)
+        assert per_model > 0

@@ -7,6 +7,8 @@ which Prometheus 2.42 offers no command to do.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import Any
 
 # Grafana fills these in before a query reaches Prometheus.
 _INTERVALS = re.compile(r"\$__(rate_interval|interval|range)\b")
@@ -16,6 +18,8 @@ _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 _LABEL_MATCHERS = re.compile(r"\{[^{}]*\}")
 _RANGES = re.compile(r"\[[^\[\]]*\]")
 _LABEL_LISTS = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^()]*\)")
+_SELECTOR = re.compile(r"([A-Za-z_:][\w:]*)\s*\{([^{}]*)\}")
+_BY = re.compile(r"\bby\s*\(([^()]*)\)")
 _IDENTIFIER = re.compile(r"(?<![\w.:])([A-Za-z_:][\w:]*)(?![\w:])(?!\s*\()")
 # Operators and modifiers, and the number literals Inf and NaN.
 _KEYWORDS = frozenset(
@@ -38,9 +42,27 @@ _KEYWORDS = frozenset(
 )
 
 
-def from_grafana(expr: str, interval: str = "1m") -> str:
-    """``expr`` as Grafana sends it: intervals set to ``interval``, every variable matching anything."""
-    return _VARIABLE.sub(".+", _INTERVALS.sub(interval, expr))
+def from_grafana(expr: str, interval: str = "1m", variables: Mapping[str, str] | None = None) -> str:
+    """``expr`` as Grafana sends it: intervals set to ``interval``, each variable to its value in
+    ``variables`` (a dashboard's ``all_values``: what "All" sends), else to one that matches any value."""
+    chosen = variables or {}
+    return _VARIABLE.sub(lambda m: chosen.get(m.group(1), ".+"), _INTERVALS.sub(interval, expr))
+
+
+def all_values(dashboard: Mapping[str, Any]) -> dict[str, str]:
+    """What each of a Grafana dashboard's variables sends when "All" is chosen, where it says."""
+    variables = dashboard.get("templating", {}).get("list", [])
+    return {v["name"]: v["allValue"] for v in variables if v.get("includeAll") and "allValue" in v}
+
+
+def selectors(expr: str) -> list[tuple[str, str]]:
+    """Each ``name{matchers}`` in ``expr``: the name, and the text between the braces."""
+    return _SELECTOR.findall(_STRING.sub(lambda m: m.group(0).replace("{", "(").replace("}", ")"), expr))
+
+
+def groupings(expr: str) -> list[set[str]]:
+    """The labels of each ``by (...)`` in ``expr``."""
+    return [{label.strip() for label in labels.split(",") if label.strip()} for labels in _BY.findall(expr)]
 
 
 def metric_names(expr: str) -> set[str]:

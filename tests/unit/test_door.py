@@ -17,6 +17,7 @@ from flask.testing import FlaskClient
 from service.http.arrival import ARRIVAL_ENVIRON_KEY, HOLD_ENVIRON_KEY
 from service.settings import Settings
 from tests.conftest import SMALL_MLP
+from tests.support.metrics import Scrape
 
 BODY = {"inputs": [[0.0] * 16]}
 
@@ -32,10 +33,10 @@ def test_a_request_that_waited_past_its_budget_gets_503_with_retry_after(
         assert response.headers["Retry-After"] == "1"
         assert response.headers["X-Request-ID"] == "abc-1"
         assert "past the 1000 ms it may wait" in response.json["error"]
-    metrics = client.get("/metrics").text
-    assert 'serve_rejected_requests_total{reason="over_budget"} 3.0' in metrics
-    assert 'serve_http_requests_total{code="503",route="/predict/batched"} 1.0' in metrics
-    assert "serve_http_wait_before_handler_seconds_count 3.0" in metrics
+    metrics = Scrape.parse(client.get("/metrics").text)
+    assert metrics.total("serve_rejected_requests_total", reason="over_budget") == 3
+    assert metrics.total("serve_http_requests_total", code="503", route="/predict/batched") == 1
+    assert metrics.total("serve_http_wait_before_handler_seconds_count") == 3
 
 
 def test_refused_before_the_body_is_even_parsed(make_client: Callable[[Settings], FlaskClient]) -> None:

@@ -1,20 +1,24 @@
-"""In-process tests of the metrics: per-app registries, request and batch figures, shed reasons."""
+"""In-process tests of the metrics: per-app registries, request and batch figures, shed reasons, models."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from flask.testing import FlaskClient
 from prometheus_client import values
 
-from service.errors import SettingsError
+from service.errors import DeadlineExceeded, Overloaded, SettingsError
 from service.host import multiproc
+from service.http.access import Access
+from service.http.arrival import MODEL_ENVIRON_KEY
+from service.http.shapes import answer_error
 from service.metrics import EXTENSION as METRICS
-from service.metrics import Metrics
+from service.metrics import REJECTION_REASONS, TIMEOUT_REASONS, Metrics
 from service.runtime import EXTENSION
 from service.settings import Settings
 from tests.support.metrics import Scrape
@@ -70,6 +74,9 @@ def test_request_counters_and_durations_match_what_was_sent(client: FlaskClient)
     assert s.total("serve_http_request_duration_seconds_count", route="/predict/naive") == 3
     # The naive route runs no batches; the batched routes ran 5 (one per request, sent one by one).
     assert s.total("serve_batches_total") == 5
+    # The one model's batching series carry its name, as its info does.
+    (info,) = s.series("serve_model_info")
+    assert {labels["model"] for labels in s.series("serve_batches_total")} == {info["model"]} == {"mlp"}
     assert s.total("serve_inferred_items_total") == 4 * 2 + 3
     assert s.total("serve_batch_queue_wait_seconds_count") == 5
     assert s.total("serve_batch_model_duration_seconds_count") == 5
@@ -297,3 +304,154 @@ def test_a_multiproc_dir_that_is_not_a_directory_is_refused(
     missing = multiproc_dir / "missing"
     with pytest.raises(SettingsError, match=f"PROMETHEUS_MULTIPROC_DIR='{missing}' is not a directory"):
         Metrics(Settings(prometheus_multiproc_dir=str(missing)))
+
+
+# -- several models in one worker (Metrics.for_model) ------------------------------------
+
+
+def test_each_models_observer_writes_its_own_series() -> None:
+    metrics = Metrics(Settings(worker_slot=1))
+    embed, rerank = metrics.for_model("embed"), metrics.for_model("rerank")
+    embed.on_model_info("embed", "embeddings")
+    rerank.on_model_info("rerank", "rerank", "int8")
+    embed.on_model_loaded("cpu", 1.5)
+    rerank.on_model_loaded("cpu", 2.5)
+    embed.on_batch(4, 2, [0.001, 0.002], 0.01)
+    embed.on_batch(2, 1, [0.003], 0.02)
+    rerank.on_batch(8, 1, [0.5], 0.2)
+    embed.on_queue_depth(3)
+    rerank.on_queue_depth(1)
+    rerank.on_sub_batches(real_tokens=10, padded_tokens=16, sub_batches=2)
+    rerank.on_precision({"top1_agreement": 1.0})
+    s = Scrape.parse(metrics.render())
+
+    assert s.total("serve_batches_total", model="embed") == 2
+    assert s.total("serve_batches_total", model="rerank") == 1
+    assert s.total("serve_inferred_items_total", model="embed") == 6
+    assert s.total("serve_batch_size_items_sum", model="rerank") == 8
+    assert s.total("serve_batch_queue_wait_seconds_count", model="embed") == 3
+    assert s.total("serve_batch_model_duration_seconds_sum", model="rerank") == 0.2
+    assert s.total("serve_batch_queue_depth", model="embed") == 3
+    assert s.total("serve_batch_queue_depth", model="rerank") == 1
+    assert s.total("serve_batch_tokens_total", model="rerank", kind="padded") == 16
+    assert s.total("serve_batch_tokens_total", model="embed") == 0
+    assert s.total("serve_batch_sub_batches_count", model="rerank") == 1
+    assert s.total("serve_model_load_seconds", model="rerank") == 2.5
+    assert s.series("serve_model_exactness") == [{"slot": "1", "model": "rerank", "figure": "top1_agreement"}]
+    assert sorted(s.series("serve_model_info"), key=lambda labels: labels["model"]) == [
+        {"slot": "1", "model": "embed", "name": "embed", "task": "embeddings", "precision": "float32"},
+        {"slot": "1", "model": "rerank", "name": "rerank", "task": "rerank", "precision": "int8"},
+    ]
+    # Every batching series is a model's; the worker's own figures are no model's.
+    for name in ("serve_batches_total", "serve_batch_size_items_count", "serve_batch_queue_depth"):
+        assert models(s.series(name)) == {"embed", "rerank"}, name
+    assert s.series("serve_worker_info") == [{"slot": "1", "device": "cpu"}]
+    assert "model" not in s.series("serve_worker_resident_memory_bytes")[0]
+
+
+def models(series: Iterable[dict[str, str]]) -> set[str]:
+    return {labels["model"] for labels in series}
+
+
+def test_each_models_shedding_series_start_at_zero() -> None:
+    """rate() over a model's refusals works before its first: every reason is there from the start."""
+    metrics = Metrics(Settings())
+    metrics.for_model("embed")
+    s = Scrape.parse(metrics.render())
+    for name, reasons in (
+        ("serve_rejected_requests_total", REJECTION_REASONS),
+        ("serve_timed_out_requests_total", TIMEOUT_REASONS),
+    ):
+        # The model's, and those of requests refused before their model was known ("").
+        assert sorted((labels["model"], labels["reason"]) for labels in s.series(name)) == sorted(
+            (model, reason) for model in ("", "embed") for reason in reasons
+        )
+        assert s.total(name) == 0
+
+
+def test_an_observer_made_without_a_name_takes_the_models() -> None:
+    metrics = Metrics(Settings())
+    observer = metrics.for_model()
+    assert observer.model is None
+    # In the order today's runtime calls them: the load before the name.
+    observer.on_model_loaded("cpu", 0.75)
+    observer.on_model_info("minilm", "embeddings")
+    observer.on_batch(3, 1, [0.001], 0.004)
+    # A later name changes nothing: the first one labels every series.
+    observer.on_model_info("other", "embeddings")
+    s = Scrape.parse(metrics.render())
+    assert observer.model == "minilm"
+    assert models(s.series("serve_batches_total")) == {"minilm"}
+    assert s.series("serve_model_load_seconds") == [{"slot": "0", "model": "minilm"}]
+    assert s.total("serve_model_load_seconds") == 0.75
+    assert {(labels["model"], labels["name"]) for labels in s.series("serve_model_info")} == {
+        ("minilm", "minilm"),
+        ("minilm", "other"),
+    }
+    assert {"minilm", ""} <= models(s.series("serve_rejected_requests_total"))
+
+
+def test_metrics_itself_observes_as_one_unnamed_model() -> None:
+    """A runtime still given observer=metrics: its model's name labels the series, as for_model(None)'s."""
+    metrics = Metrics(Settings())
+    metrics.on_model_info("echo", "generic")
+    metrics.on_queue_depth(2)
+    metrics.on_batch(1, 1, [0.001], 0.002)
+    s = Scrape.parse(metrics.render())
+    assert s.total("serve_batch_queue_depth", model="echo") == 2
+    assert models(s.series("serve_batches_total")) == {"echo"}
+
+
+def test_a_batch_before_any_name_counts_under_no_model() -> None:
+    observer = Metrics(Settings()).for_model()
+    observer.on_batch(1, 1, [0.001], 0.002)
+    assert observer.model == ""
+
+
+def answering(model: str | None, status: str = "200 OK") -> Callable[..., Iterable[bytes]]:
+    """A WSGI app that routes every request to ``model`` (None: to no model), as the protocol routes do."""
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if model is not None:
+            environ[MODEL_ENVIRON_KEY] = model
+        start_response(status, [("Content-Type", "text/plain")])
+        return [b"ok"]
+
+    return app
+
+
+def call(app: Callable[..., Iterable[bytes]], path: str) -> None:
+    environ = {"REQUEST_METHOD": "POST", "PATH_INFO": path, "REMOTE_ADDR": "127.0.0.1"}
+    list(app(environ, lambda status, headers, exc_info=None: None))
+
+
+def test_request_series_carry_the_model_the_request_was_routed_to() -> None:
+    metrics = Metrics(Settings())
+    for _ in range(2):
+        call(Access(answering("embed"), metrics), "/v1/embeddings")
+    call(Access(answering("rerank", "503 Service Unavailable"), metrics), "/v1/rerank")
+    call(Access(answering(None), metrics), "/healthz")
+    s = Scrape.parse(metrics.render())
+    requests = "serve_http_requests_total"
+    assert s.total(requests, route="unmatched", code="200", model="embed") == 2
+    assert s.total(requests, code="503", model="rerank") == 1
+    # Never routed to a model: the label is there, empty (which Prometheus stores as none).
+    assert s.total(requests, model="") == 1
+    assert models(s.series(requests)) == {"embed", "rerank", ""}
+    assert s.total("serve_http_request_duration_seconds_count", model="embed") == 2
+    assert models(s.series("serve_http_request_duration_seconds_count")) == {"embed", "rerank", ""}
+
+
+def test_shed_requests_are_counted_under_their_model() -> None:
+    settings = Settings(hold_refused=False)
+    metrics = Metrics(settings)
+    full = Overloaded("the queue is full", reason="queue_full")
+    answer_error(full, "/v1/embeddings", {MODEL_ENVIRON_KEY: "embed"}, settings, metrics)
+    answer_error(full, "/predict", {}, settings, metrics)  # refused before its model was known
+    late = DeadlineExceeded("expired", reason="expired_in_queue")
+    answer_error(late, "/v1/rerank", {MODEL_ENVIRON_KEY: "rerank"}, settings, metrics)
+    s = Scrape.parse(metrics.render())
+    assert s.total("serve_rejected_requests_total", model="embed", reason="queue_full") == 1
+    assert s.total("serve_rejected_requests_total", model="", reason="queue_full") == 1
+    assert s.total("serve_rejected_requests_total") == 2
+    assert s.total("serve_timed_out_requests_total", model="rerank", reason="expired_in_queue") == 1

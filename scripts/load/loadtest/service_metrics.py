@@ -4,6 +4,8 @@ Pure: ``Reading.parse`` turns the Prometheus text into counters, a difference of
 readings is what happened between them, and ``rows`` turns such a difference into the
 figures the dashboard shows. The counters are those of ``service/metrics.py``; a metric
 the service does not export reads as zero, so an older or newer service still works.
+Each figure is summed over the series that make it up: a service of several models has
+one per model (the ``model`` label), and an older one a single series.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 # Routes that are not load: scrapes, probes, and 404s.
 NOT_LOAD_ROUTES = frozenset({"/metrics", "/info", "/healthz", "/readyz", "unmatched"})
 
-# The batcher's figures are the worker's, not a route's: every batched route shares it.
+# The batchers' figures are the workers', not a route's: every batched route (and model) shares them.
 BATCHER_ROW = "batcher (all batched routes)"
 
 NOT_APPLICABLE = "-"
@@ -97,13 +99,15 @@ class Reading:
                     code = labels.get("code", "")
                     by_code[code] = by_code.get(code, 0.0) + value
                 elif name in _ROUTE_COUNTERS and route not in (None, *NOT_LOAD_ROUTES):
-                    route_values.setdefault(route, {})[_ROUTE_COUNTERS[name]] = value
+                    figures = route_values.setdefault(route, {})
+                    figures[_ROUTE_COUNTERS[name]] = figures.get(_ROUTE_COUNTERS[name], 0.0) + value
                 elif name in _SCALARS:
-                    scalars[_SCALARS[name]] = value
+                    scalars[_SCALARS[name]] = scalars.get(_SCALARS[name], 0.0) + value
                 elif name == "serve_rejected_requests_total":
-                    rejected[labels.get("reason", "")] = value
+                    reason = labels.get("reason", "")
+                    rejected[reason] = rejected.get(reason, 0.0) + value
                 elif name == "serve_batch_queue_depth":
-                    queue_depth = value
+                    queue_depth += value
         routes = {
             route: RouteCounts(by_code=codes.get(route, {}), **route_values.get(route, {}))
             for route in {*codes, *route_values}
