@@ -34,7 +34,11 @@ try:
     # On SIGHUP gunicorn runs this file again while the old workers still hold
     # their GPU memory; a fresh inventory would plan smaller shares (or none).
     # The first one read, kept by the module, plans every reload alike.
-    plan = plan_topology(settings, first_inventory(cuda_visible_devices()), weights(settings.model))
+    plan = plan_topology(
+        settings,
+        first_inventory(cuda_visible_devices()),
+        [weights(entry.spec) for entry in settings.models],
+    )
     # What the planned devices refuse whatever the model (float16 on a CPU, int8
     # on a GPU...), before any worker loads the model only to fail.
     for device in sorted({worker.device for worker in plan.workers}):
@@ -164,14 +168,17 @@ def _check_model():
     # is settled here.
     global plan, settings  # noqa: PLW0603
     try:
-        check_spec(settings.model)
+        for entry in settings.models:
+            check_spec(entry.spec)
         # SERVE_MAX_BODY_BYTES, when unset, follows the model too (an image model
         # directory takes a photo): read again now that its directory is found.
         settings = Settings.from_env()
     except SettingsError as exc:
         sys.exit(f"gunicorn_conf.py: {exc}")
     if settings.onednn_cache is None:
-        plan = dataclasses.replace(plan, onednn_cache=default_onednn_cache(settings.model))
+        # The largest any of the models asks for: the cache is the worker's, shared by its models.
+        cache = max(default_onednn_cache(entry.spec) for entry in settings.models)
+        plan = dataclasses.replace(plan, onednn_cache=cache)
 
 
 def _preload(server):
@@ -182,26 +189,28 @@ def _preload(server):
             server.log.info("the model is built in each worker: GPU weights cannot pass through a fork")
         return
     try:
-        held = preload.build(settings, plan.worker_env(0))
+        built = preload.build(settings, plan.worker_env(0))
     except Exception as exc:
         # The traceback is for the log; the service stops as when a worker cannot
         # load the model, rather than start workers that would fail alike.
-        server.log.exception("model %r failed to load", settings.model)
+        name = getattr(exc, "failed_model", settings.model)
+        server.log.exception("model %r failed to load", name)
         server.log.error(
-            "stopping the service: model %r failed to load: %s: %s", settings.model, type(exc).__name__, exc
+            "stopping the service: model %r failed to load: %s: %s", name, type(exc).__name__, exc
         )
         multiproc.cleanup()  # on_exit does not run for a master that never started
         sys.exit(Arbiter.WORKER_BOOT_ERROR)
-    server.log.info(
-        "model %s built once for every worker in %.1f s (%s); SERVE_SHARE_WEIGHTS=off builds it in each",
-        held.model.name,
-        held.seconds,
-        held.precision.precision,
-    )
+    for held in built:
+        server.log.info(
+            "model %s built once for every worker in %.1f s (%s); SERVE_SHARE_WEIGHTS=off builds it in each",
+            held.model.name,
+            held.seconds,
+            held.precision.precision,
+        )
 
 
 def _freeze_shared(server):
-    if preload.take(settings, "cpu") is not None:
+    if any(preload.take(settings.for_model(entry), "cpu", entry) for entry in settings.models):
         preload.freeze()
 
 

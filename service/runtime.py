@@ -35,11 +35,13 @@ from service.batching import native
 from service.batching.admission import AdmissionRule
 from service.batching.batcher import Batcher, BatchObserver, GatherPolicy, notify
 from service.batching.calibration import calibrate
+from service.batching.model_time import ModelTime
 from service.batching.subbatch import CostModel
 from service.batching.watchdog import Watchdog
 from service.budget import Budget, body_budget_bytes
 from service.errors import NotReady
 from service.host import preload
+from service.model_list import ModelEntry
 from service.models import Model, describe, load_model
 from service.models.base import Outputs, item_sizer, sample_item, task_of
 from service.models.precision import Outcome, finish
@@ -55,14 +57,28 @@ LOAD_FAILED = "the model failed to load; see the service log"
 
 
 class ModelRuntime:
-    def __init__(self, settings: Settings, observer: BatchObserver | None = None) -> None:
-        self.settings = settings
+    """One served model: its loading, its batcher and their faults (several make a service.model_set)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        observer: BatchObserver | None = None,
+        *,
+        entry: ModelEntry | None = None,
+        model_time: ModelTime | None = None,
+        bodies: Budget | None = None,
+    ) -> None:
+        # The entry's spec is settings.model; its names, if any, are what clients call it by.
+        self.entry = entry or settings.models[0]
+        self.settings = settings.for_model(self.entry)
         self.observer = observer or BatchObserver()
         # Refuses what cannot be answered within the latency budget (service.http.door, the batcher).
         self.admission = AdmissionRule(settings.latency_budget_s)
         # Bytes of request bodies this worker's requests hold at once while they are
-        # read and parsed (service.http.inference): a bound on memory.
-        self.bodies = Budget(body_budget_bytes(settings.max_body_bytes))
+        # read and parsed (service.http.inference): a bound on memory, shared by its models.
+        self.bodies = bodies or Budget(body_budget_bytes(settings.max_body_bytes))
+        # The model time the worker's models share (service.batching.model_time); None when alone.
+        self.model_time = model_time
         self.model: Model | None = None
         self.batcher: Batcher | None = None
         # Why the model could not be loaded (for the log; see LOAD_FAILED).
@@ -83,6 +99,18 @@ class ModelRuntime:
 
     def init_app(self, app: Flask) -> None:
         app.extensions[EXTENSION] = self
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """What clients may call this model: its served name first; empty until an unnamed one loads."""
+        if self.entry.names:
+            return self.entry.names
+        return (self.model.name,) if self.model is not None else ()
+
+    @property
+    def label(self) -> str:
+        """The model as the log and errors name it: its served name, else its spec."""
+        return self.entry.name or (self.model.name if self.model is not None else self.settings.model)
 
     def start(self) -> None:
         configure_torch(self.settings.torch_threads)
@@ -113,7 +141,7 @@ class ModelRuntime:
     def _load_model(self) -> None:
         started = time.monotonic()
         try:
-            shared = preload.take(self.settings, self.device)
+            shared = preload.take(self.settings, self.device, self.entry)
             if shared is not None:
                 # Built by the master before the fork, in its precision: what is
                 # left is what only a process that runs the model may do (a trace).
@@ -123,17 +151,22 @@ class ModelRuntime:
                 model = load_model(self.settings, self.device)
                 # Before the cost model is measured: it is the reduced network that runs.
                 self.precision = settle(model, task_of(model), self.settings, self.device)
+            if self.entry.name is not None:
+                model.name = self.entry.name  # what answers, /info and the metrics call it
         except Exception as exc:
-            log.exception("model %r failed to load", self.settings.model)
-            self.load_error = f"model {self.settings.model!r} failed to load: {type(exc).__name__}: {exc}"
+            log.exception("model %r failed to load", self.label)
+            self.load_error = f"model {self.label!r} failed to load: {type(exc).__name__}: {exc}"
             return
         self.load_seconds = time.monotonic() - started
-        batcher = new_batcher(self.settings, model, observer=self.observer, admission=self.admission)
+        batcher = new_batcher(
+            self.settings, model, observer=self.observer, admission=self.admission, model_time=self.model_time
+        )
+        # First: an observer made without a name takes the model's from it (Metrics.for_model).
+        precision = self.precision.precision if self.precision is not None else "float32"
+        notify(self.observer.on_model_info, model.name, task_of(model), precision)
         batcher.start()
         self.model, self.batcher = model, batcher
         notify(self.observer.on_model_loaded, model.device, self.load_seconds)
-        precision = self.precision.precision if self.precision is not None else "float32"
-        notify(self.observer.on_model_info, model.name, task_of(model), precision)
         if self.precision is not None:
             notify(self.observer.on_precision, self.precision.exactness)
             log.info("model %s: %s", model.name, self.precision.summary())
@@ -196,6 +229,7 @@ def new_batcher(
     *,
     observer: BatchObserver | None = None,
     admission: AdmissionRule | None = None,
+    model_time: ModelTime | None = None,
 ) -> Batcher:
     """The batcher a worker runs ``model`` with under ``settings``, not yet started.
 
@@ -215,6 +249,7 @@ def new_batcher(
         max_tokens=settings.max_batch_tokens,
         cost=None if sizer is None else _calibrated(model, sizer, settings.max_batch_size),
         admission=admission,
+        model_time=model_time,
     )
 
 

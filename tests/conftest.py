@@ -8,21 +8,22 @@ from flask import Flask
 from flask.testing import FlaskClient
 
 from service import create_app
-from service.runtime import EXTENSION, ModelRuntime
+from service.model_set import ModelSet
+from service.runtime import EXTENSION
 from service.settings import Settings
 
 SMALL_MLP = Settings(model="mlp", mlp_width=16, mlp_depth=2, max_items_per_request=8, torch_threads=1)
 
 
-def wait_until_ready(app: Flask, timeout: float = 60) -> ModelRuntime:
-    runtime: ModelRuntime = app.extensions[EXTENSION]
+def wait_until_ready(app: Flask, timeout: float = 60) -> ModelSet:
+    runtime: ModelSet = app.extensions[EXTENSION]
     runtime.wait_loaded(timeout)
     return runtime
 
 
 @pytest.fixture
 def make_client() -> Iterator[Callable[[Settings], FlaskClient]]:
-    runtimes: list[ModelRuntime] = []
+    runtimes: list[ModelSet] = []
 
     def make(settings: Settings) -> FlaskClient:
         app = create_app(settings)

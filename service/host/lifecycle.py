@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from service.logs import ACCESS_LOGGER
 
 if TYPE_CHECKING:
-    from service.runtime import ModelRuntime
+    from service.model_set import ModelSet
 
 
 # Imported by gunicorn_conf.py in the master, so every worker forks with the same flag.
@@ -55,11 +55,11 @@ def _claim_boot_error() -> bool:
     return first
 
 
-def runtime_of(worker: Any) -> ModelRuntime | None:
-    """The runtime of the app a gunicorn worker serves, if it is this service's."""
+def runtime_of(worker: Any) -> ModelSet | None:
+    """The models of the app a gunicorn worker serves, if it is this service's."""
     from service.runtime import EXTENSION
 
-    runtime: ModelRuntime | None = _extension(worker, EXTENSION)
+    runtime: ModelSet | None = _extension(worker, EXTENSION)
     return runtime
 
 
@@ -159,7 +159,7 @@ def _flush_metrics(worker: Any) -> None:
 
 def _drain_batcher(worker: Any) -> None:
     runtime = runtime_of(worker)
-    if runtime is None or runtime.batcher is None:
+    if runtime is None or runtime.load_error is not None:
         return  # not this service's worker, or no model (serve_when_loaded said why)
     # gunicorn's own logger: its error log is where a worker's exit is reported.
     pid = os.getpid()

@@ -24,7 +24,8 @@
 #   into the permanent generation, which collections in the workers never visit.
 # - A worker that gunicorn replaces is forked from the same master and shares
 #   like the first. On SIGHUP (gunicorn_conf.on_reload) the master builds the
-#   model afresh, so a reload serves the files as they are now.
+#   models afresh, so a reload serves the files as they are now.
+# - Several models (SERVE_MODEL lists them) are each built once, by entry.
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from service.model_list import ModelEntry
     from service.models.base import Model
     from service.models.precision import Outcome
     from service.settings import Settings
@@ -54,7 +56,7 @@ MASTER_ENV = {
 
 @dataclass(frozen=True)
 class Preloaded:
-    """The model the master built, as every worker will find it after the fork."""
+    """A model the master built, as every worker will find it after the fork."""
 
     spec: str
     model: Model
@@ -62,22 +64,22 @@ class Preloaded:
     seconds: float
 
 
-_held: Preloaded | None = None
+# What the master built, by SERVE_MODEL entry (each model of the list has its own).
+_held: dict[ModelEntry, Preloaded] = {}
 
 
 def wanted(settings: Settings, devices: Iterable[str]) -> bool:
-    """Whether the master builds the model: sharing is on and every planned worker runs on a CPU."""
+    """Whether the master builds the models: sharing is on and every planned worker runs on a CPU."""
     return settings.share_weights and all(device == "cpu" for device in devices)
 
 
-def build(settings: Settings, check_env: Mapping[str, str | None]) -> Preloaded:
-    """In the master, before the fork: the model on the CPU, in its precision, never run here.
+def build(settings: Settings, check_env: Mapping[str, str | None]) -> list[Preloaded]:
+    """In the master, before the fork: each model SERVE_MODEL lists, on the CPU, in its precision, not run.
 
     ``check_env`` is the environment a precision check runs in (a worker's:
-    its threads), should one be needed. Raises whatever loading raises.
+    its threads), should one be needed. Raises whatever loading raises, with
+    the failing model's name in ``failed_model`` on the exception.
     """
-    global _held  # noqa: PLW0603 - one model per master, replaced on reload
-    started = time.monotonic()
     os.environ.update(MASTER_ENV)
     import torch
 
@@ -89,17 +91,26 @@ def build(settings: Settings, check_env: Mapping[str, str | None]) -> Preloaded:
     # Inherited by every worker: it can be set once per process (a reload finds it set).
     with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)
-    if _held is not None:
+    if _held:
         # A reload: the previous build is freed before the next is made (the
         # collector may visit it again; the old workers keep their own pages).
-        _held = None
+        _held.clear()
         gc.unfreeze()
         gc.collect()
-    model = load_model(settings, "cpu", may_run=False)
-    precision = settle_before_fork(model, task_of(model), settings, check_env)
-    _held = Preloaded(settings.model, model, precision, time.monotonic() - started)
+    for entry in settings.models:
+        started = time.monotonic()
+        own = settings.for_model(entry)
+        try:
+            model = load_model(own, "cpu", may_run=False)
+            if entry.name is not None:
+                model.name = entry.name
+            precision = settle_before_fork(model, task_of(model), own, check_env)
+        except Exception as exc:
+            exc.failed_model = entry.name or entry.spec  # type: ignore[attr-defined]
+            raise
+        _held[entry] = Preloaded(entry.spec, model, precision, time.monotonic() - started)
     freeze()
-    return _held
+    return list(_held.values())
 
 
 def freeze() -> None:
@@ -108,9 +119,9 @@ def freeze() -> None:
     gc.freeze()
 
 
-def take(settings: Settings, device: str) -> Preloaded | None:
-    """In a worker: the model the master built for it, or None (not shared, another model, a GPU)."""
-    held = _held
+def take(settings: Settings, device: str, entry: ModelEntry | None = None) -> Preloaded | None:
+    """In a worker: the model the master built for ``entry``, or None (not shared, another model, a GPU)."""
+    held = _held.get(entry or settings.models[0])
     if held is None or device != "cpu" or held.spec != settings.model:
         return None
     return held

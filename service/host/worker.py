@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gunicorn.workers.gthread import ThreadWorker
 
@@ -51,6 +51,9 @@ from service.http.arrival import (
     LET_IN,
     RETURNING_ENVIRON_KEY,
 )
+
+if TYPE_CHECKING:
+    from service.runtime import ModelRuntime
 
 T = TypeVar("T")
 # A request let in reaches a thread within milliseconds; one that has not after
@@ -246,9 +249,11 @@ def room_test(
 
     ``arrived(item)``: when the held client's next request arrived.
     """
-    runtime = getattr(worker, "_serve_runtime", None)
-    if runtime is None:
-        runtime = worker._serve_runtime = runtime_of(worker)
+    models = getattr(worker, "_serve_runtime", None)
+    if models is None:
+        models = worker._serve_runtime = runtime_of(worker)
+    # The default model's: a held request's body, which would name another, is not read yet.
+    runtime: ModelRuntime | None = getattr(models, "default", None)
     batcher = getattr(runtime, "batcher", None)
     if runtime is None or batcher is None:
         return None

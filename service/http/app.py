@@ -14,7 +14,7 @@ from service.http.linger import Linger
 from service.http.routes import bp, require_token
 from service.http.shapes import answer_error
 from service.metrics import Metrics
-from service.runtime import ModelRuntime
+from service.model_set import ModelSet
 from service.settings import Settings
 
 # The routes service.http.direct answers: the protocols' busiest inference routes.
@@ -22,7 +22,7 @@ DIRECT = {**routes.DIRECT, **openai_api.DIRECT, **v2.DIRECT, **rerank.DIRECT}
 
 
 def create_app(settings: Settings | None = None) -> Flask:
-    """A Flask app serving ``settings.model`` (read from ``SERVE_*`` when None).
+    """A Flask app serving the models ``settings.model`` lists (read from ``SERVE_*`` when None).
 
     Starts loading the model in the background: call it in the process that
     serves (a gunicorn worker), never before a fork.
@@ -43,7 +43,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_blueprint(rerank.bp)
     openai_api.init_app(app)
     _register_error_handlers(app, settings, metrics)
-    runtime = ModelRuntime(settings, observer=metrics)
+    # Every model SERVE_MODEL lists, each with its batcher and its metrics' model label.
+    runtime = ModelSet(settings, observer_for=metrics.for_model)
     runtime.init_app(app)
     # Outside Flask: every answer the app gives gets its id, metrics and line
     # (service.http.access), and a request refused for the latency budget costs

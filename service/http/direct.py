@@ -39,7 +39,7 @@ from service.http.shapes import INTERNAL_ERROR, answer_error, error_document
 
 if TYPE_CHECKING:
     from service.metrics import Metrics
-    from service.runtime import ModelRuntime
+    from service.model_set import ModelSet
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ Headers = tuple[tuple[str, str], ...]
 
 class Direct:
     def __init__(
-        self, app: Flask, runtime: ModelRuntime, metrics: Metrics, handlers: Mapping[str, Handler]
+        self, app: Flask, runtime: ModelSet, metrics: Metrics, handlers: Mapping[str, Handler]
     ) -> None:
         """Answer the POSTs of the endpoints in ``handlers`` (by Flask endpoint); pass the rest to ``app``."""
         self._app = app.wsgi_app

@@ -48,25 +48,31 @@ from service.http.arrival import (
     ARRIVAL_ENVIRON_KEY,
     FOLLOW_UP_ENVIRON_KEY,
     LET_IN,
+    MODEL_ENVIRON_KEY,
     RETURNING_ENVIRON_KEY,
     TIMEOUT_ENVIRON_KEY,
     ask_to_hold,
     proxy_wait,
     settle_wait,
 )
+from service.model_metrics import NO_MODEL
 
 if TYPE_CHECKING:
     from service.metrics import Metrics
-    from service.runtime import ModelRuntime
+    from service.model_set import ModelSet
 
 # path -> whether its requests queue in the batcher (and so wait for the work ahead).
 ADMITTED_ROUTES = {"/predict": True, "/predict/batched": True, "/predict/naive": False}
 
 
 class Door:
-    def __init__(self, app: WsgiApp, runtime: ModelRuntime, metrics: Metrics) -> None:
+    def __init__(self, app: WsgiApp, models: ModelSet, metrics: Metrics) -> None:
         self._app = app
-        self._runtime = runtime
+        # The admission rule is the same for every model; the prediction is a
+        # lone model's. With several, the body says whose a /predict request is,
+        # so the door checks only the wait so far, and the batcher the rest.
+        self._runtime = runtime = models.default
+        self._single = models.single
         self._metrics = metrics
         self._standing = runtime.admission.standing_queue()
         self._lock = native.allocate_lock()  # guards _standing: every request thread updates it
@@ -88,7 +94,7 @@ class Door:
         length = _content_length(environ)
         if length is not None and length > settings.max_body_bytes:
             return self._app(environ, start_response)  # the route refuses it unread: 413, not 503
-        batcher = self._runtime.batcher if queued else None
+        batcher = self._runtime.batcher if queued and self._single else None
         # Weighed by its items before they are read: the body's length at the
         # bytes per item of recent requests, no more than a request may hold
         # (the batcher checks the exact count).
@@ -117,7 +123,10 @@ class Door:
         if batcher is not None:
             # Demand unmet, for the pace (Batcher.submit says which counts).
             batcher.refused(items, waited if environ.get(FOLLOW_UP_ENVIRON_KEY, True) else None)
-        self._metrics.count_error(Overloaded(refusal.message, reason="over_budget"))
+        # A lone model's refusals are its own; with several, the body naming one is still unread.
+        model = self._runtime.label if self._single else NO_MODEL
+        environ[MODEL_ENVIRON_KEY] = model
+        self._metrics.count_error(Overloaded(refusal.message, reason="over_budget"), model)
         body = orjson.dumps({"error": refusal.message})
         start_response(
             "503 Service Unavailable",
@@ -129,7 +138,7 @@ class Door:
             ],
         )
         # Counted with the other answers, so 503s add up in serve_http_requests_total.
-        self._metrics.observe_request(path, 503, time.monotonic() - now)
+        self._metrics.observe_request(path, 503, time.monotonic() - now, model)
         if self._runtime.settings.hold_refused:
             ask_to_hold(environ, refusal.retry_after_s, self._runtime.admission.budget_s)
         # The body, unread, is read after the answer is out (service.http.linger), so

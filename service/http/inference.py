@@ -19,6 +19,7 @@ direct routes and the route's Flask view (``Answer.response``) write alike.
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import time
@@ -31,17 +32,20 @@ from flask import Response, current_app
 from werkzeug.exceptions import HTTPException
 from werkzeug.wsgi import get_input_stream
 
+from service.batching.batcher import Batcher
 from service.batching.waiting import wait_result
-from service.errors import BadRequest, Overloaded, PayloadTooLarge
+from service.errors import BadRequest, NotReady, Overloaded, PayloadTooLarge
 from service.http.access import note_batch_size
 from service.http.arrival import (
     ARRIVAL_ENVIRON_KEY,
     FOLLOW_UP_ENVIRON_KEY,
     HANDLER_ENVIRON_KEY,
     LET_IN,
+    MODEL_ENVIRON_KEY,
     RETURNING_ENVIRON_KEY,
     TIMEOUT_ENVIRON_KEY,
 )
+from service.model_set import ModelSet
 from service.models import Model
 from service.models.base import Outputs
 from service.runtime import EXTENSION, ModelRuntime
@@ -51,13 +55,16 @@ TIMEOUT_HEADER = "X-Request-Timeout-Ms"
 SMALL_BODY_BYTES = 64 << 10
 BATCH_SIZE_HEADER = "X-Batch-Size"
 
-# Turns a request body into the model's prepared items, or raises a ServeError.
-Parser = Callable[[bytes, Model], list[Any]]
+# The model a request names, by the name its body gives (None: the default
+# model): what a parser calls once it has read the name (ModelSet.pick).
+Choose = Callable[[Any], Model]
+# Turns a request body into the prepared items of the model it chose, or raises a ServeError.
+Parser = Callable[[bytes, Choose], list[Any]]
 
 
-def runtime() -> ModelRuntime:
-    rt: ModelRuntime = current_app.extensions[EXTENSION]
-    return rt
+def runtime() -> ModelSet:
+    models: ModelSet = current_app.extensions[EXTENSION]
+    return models
 
 
 def json_bytes(document: object) -> bytes:
@@ -110,8 +117,8 @@ def read_body(environ: dict[str, Any], limit: int) -> bytes:
     return body
 
 
-def take_body_room(rt: ModelRuntime, environ: dict[str, Any], until: float) -> int:
-    """Room in the worker's bound on bodies (ModelRuntime.bodies) for this request's: what to give back.
+def take_body_room(rt: ModelSet, environ: dict[str, Any], until: float) -> int:
+    """Room in the worker's bound on bodies (ModelSet.bodies) for this request's: what to give back.
 
     A body is weighed by its Content-Length, a chunked one as the limit. Bodies
     of SMALL_BODY_BYTES or less take none (the threads or connections a worker
@@ -146,25 +153,34 @@ class Batched:
     batch_size: int
 
 
-def serve_batched(rt: ModelRuntime, environ: dict[str, Any], parse: Parser) -> Batched:
-    """Parse the request's body with ``parse`` and run its items through the worker's batcher."""
+def serve_batched(models: ModelSet, environ: dict[str, Any], parse: Parser) -> Batched:
+    """Parse the request's body with ``parse`` and run its items through its model's batcher."""
     # From the request's arrival (service.http.door), not from now: its wait for
     # a thread counts toward its deadline and its latency budget.
     arrived = environ.get(ARRIVAL_ENVIRON_KEY)
     if not isinstance(arrived, float):
         arrived = time.monotonic()
-    until = deadline(arrived, rt.settings.request_timeout_ms, environ)
-    model, batcher = rt.require_ready()
-    with batcher.in_flight():
-        room = take_body_room(rt, environ, min(until, arrived + rt.settings.latency_budget_s))
+    settings = models.settings
+    until = deadline(arrived, settings.request_timeout_ms, environ)
+    models.require_ready()
+    with contextlib.ExitStack() as stack:
+        # A lone model's batcher counts the request from before its body is read
+        # (a request being read is one gathering may wait for); with several, the
+        # body says whose it is.
+        if models.single:
+            stack.enter_context(_batcher(models.default).in_flight())
+        choose, chosen = _chooser(models, environ, None if models.single else stack)
+        room = take_body_room(models, environ, min(until, arrived + settings.latency_budget_s))
         try:
-            body = read_body(environ, rt.settings.max_body_bytes)
-            items = parse(body, model)
+            body = read_body(environ, settings.max_body_bytes)
+            items = parse(body, choose)
             body_bytes = len(body)
             del body  # the items are what the request holds from here
         finally:
             if room:
-                rt.bodies.give_back(room)
+                models.bodies.give_back(room)
+        rt = chosen[-1] if chosen else models.default
+        batcher = _batcher(rt)
         returning = environ.get(RETURNING_ENVIRON_KEY)
         pending = batcher.submit(
             items,
@@ -178,7 +194,41 @@ def serve_batched(rt: ModelRuntime, environ: dict[str, Any], parse: Parser) -> B
         )
         outputs = wait_result(pending.future, until - time.monotonic(), client_gone(environ))
     note_batch_size(environ, pending.batch_size)
-    return Batched(model, outputs, pending.batch_size)
+    return Batched(_model(rt), outputs, pending.batch_size)
+
+
+def _chooser(
+    models: ModelSet, environ: dict[str, Any], stack: contextlib.ExitStack | None
+) -> tuple[Choose, list[ModelRuntime]]:
+    """The parser's way to name its model, and the list the choice lands in.
+
+    With ``stack``, the chosen model's batcher counts the request in flight from then.
+    """
+    chosen: list[ModelRuntime] = []
+
+    def choose(name: Any) -> Model:
+        rt = models.pick(name)
+        environ[MODEL_ENVIRON_KEY] = rt.label
+        if stack is not None and not chosen:
+            stack.enter_context(_batcher(rt).in_flight())
+        chosen.append(rt)
+        return _model(rt)
+
+    return choose, chosen
+
+
+def _model(rt: ModelRuntime) -> Model:
+    model = rt.model
+    if model is None:  # ready() said every model was: only a fault since could undo it
+        raise NotReady(f"not ready: {rt.readiness()}", retry_after_s=5)
+    return model
+
+
+def _batcher(rt: ModelRuntime) -> Batcher:
+    batcher = rt.batcher
+    if batcher is None:
+        raise NotReady(f"not ready: {rt.readiness()}", retry_after_s=5)
+    return batcher
 
 
 def _queue_wait(environ: dict[str, Any], arrived: float) -> float | None:
@@ -209,18 +259,20 @@ def client_gone(environ: dict[str, Any]) -> Callable[[], bool] | None:
     return gone
 
 
-def serve_naive(rt: ModelRuntime, environ: dict[str, Any], parse: Parser) -> Batched:
+def serve_naive(models: ModelSet, environ: dict[str, Any], parse: Parser) -> Batched:
     """Parse the request's body and run its items in this thread (the comparison route)."""
-    model, _ = rt.require_ready()
-    room = take_body_room(rt, environ, time.monotonic() + rt.settings.request_timeout_ms / 1000)
+    models.require_ready()
+    choose, chosen = _chooser(models, environ, None)
+    room = take_body_room(models, environ, time.monotonic() + models.settings.request_timeout_ms / 1000)
     try:
-        items = parse(read_body(environ, rt.settings.max_body_bytes), model)
+        items = parse(read_body(environ, models.settings.max_body_bytes), choose)
     finally:
         if room:
-            rt.bodies.give_back(room)
+            models.bodies.give_back(room)
+    rt = chosen[-1] if chosen else models.default
     outputs = rt.predict_naive(items)
     note_batch_size(environ, len(items))
-    return Batched(model, outputs, len(items))
+    return Batched(_model(rt), outputs, len(items))
 
 
 @dataclass(frozen=True)
@@ -240,9 +292,9 @@ class Answer:
         return response
 
 
-# A route as the direct routes call it (service.http.direct): the runtime, the
+# A route as the direct routes call it (service.http.direct): the worker's models, the
 # request's environ and the route's arguments (v2's model name) to its answer.
-Handler = Callable[[ModelRuntime, dict[str, Any], Mapping[str, Any]], Answer]
+Handler = Callable[[ModelSet, dict[str, Any], Mapping[str, Any]], Answer]
 
 
 def json_answer(document: object, batch_size: int) -> Answer:

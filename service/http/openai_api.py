@@ -22,8 +22,9 @@ from flask import Blueprint, Flask, Response, current_app, request
 
 from service.errors import ModelError, ServeError
 from service.http import v2_codec
-from service.http.inference import Answer, Handler, json_answer, json_response, runtime, serve_batched
+from service.http.inference import Answer, Choose, Handler, json_answer, json_response, runtime, serve_batched
 from service.http.payload import load_json, prepare_items, require_json
+from service.model_set import ModelSet, UnknownModel
 from service.models import Model
 from service.models.base import EMBEDDINGS, GENERIC, RERANK, item_sizer, json_type, task_of
 from service.runtime import ModelRuntime
@@ -65,26 +66,32 @@ def error_document(status: int, message: str, exc: BaseException | None = None) 
 
 @bp.get("/models")
 def list_models() -> Response:
-    model = _embedding_model()
-    return json_response({"object": "list", "data": [_describe(model)]})
+    """Every model served, the default first, each by its served name; ``task`` says which API serves it."""
+    models = runtime()
+    models.require_ready()
+    return json_response({"object": "list", "data": [_describe(rt) for rt in models.runtimes]})
 
 
 @bp.get("/models/<name>")
 def get_model(name: str) -> Response:
-    model = _embedding_model()
-    _check_model(model, name)
-    return json_response(_describe(model))
+    models = runtime()
+    models.require_ready()
+    return json_response(_describe(_pick(models, name)))
 
 
-def answer_embeddings(rt: ModelRuntime, environ: dict[str, Any], args: Mapping[str, Any]) -> Answer:
+def answer_embeddings(rt: ModelSet, environ: dict[str, Any], args: Mapping[str, Any]) -> Answer:
     asked: dict[str, Any] = {}
 
-    def parse(body: bytes, model: Model) -> list[object]:
-        _check_embedding_model(model)
+    def parse(body: bytes, choose: Choose) -> list[object]:
         require_json(environ.get("CONTENT_TYPE"))
-        document = load_json(body, '{"input": "text", "model": "' + model.name + '"}')
+        document = load_json(body, '{"input": "text", "model": "' + rt.default.label + '"}')
         if not isinstance(document, dict):
             raise OpenAIError(400, f"the body must be a JSON object, got {json_type(document)}")
+        name = document.get("model")
+        if not isinstance(name, str):
+            raise OpenAIError(400, f'"model" must name the model; {rt.served()}', param="model")
+        model = _chosen(choose, name)
+        _check_embedding_model(model)
         asked.update(_check_request(document, model))
         asked["items"] = prepare_items(asked["texts"], model, rt.settings.max_items_per_request, "input")
         return asked["items"]  # type: ignore[no-any-return]
@@ -115,10 +122,6 @@ def embeddings() -> Response:
 
 
 def _check_request(document: dict[str, Any], model: Model) -> dict[str, Any]:
-    name = document.get("model")
-    if not isinstance(name, str):
-        raise OpenAIError(400, f'"model" must name the model, {model.name!r}', param="model")
-    _check_model(model, name)
     if document.get("dimensions") is not None:
         raise OpenAIError(
             400,
@@ -157,10 +160,25 @@ def _texts(given: Any) -> list[str]:
     return texts
 
 
-def _embedding_model() -> Model:
-    model, _ = runtime().require_ready()
-    _check_embedding_model(model)
-    return model
+def _chosen(choose: Choose, name: str) -> Model:
+    try:
+        return choose(name)
+    except UnknownModel as exc:
+        raise _not_found(exc) from None
+
+
+def _pick(models: ModelSet, name: str) -> ModelRuntime:
+    try:
+        return models.pick(name)
+    except UnknownModel as exc:
+        raise _not_found(exc) from None
+
+
+def _not_found(exc: UnknownModel) -> OpenAIError:
+    # OpenAI's own words for it, which the SDK's NotFoundError carries.
+    return OpenAIError(
+        404, f"The model {exc.name!r} does not exist; {exc.served}", param="model", code="model_not_found"
+    )
 
 
 def _check_embedding_model(model: Model) -> None:
@@ -184,22 +202,16 @@ def _check_embedding_model(model: Model) -> None:
         )
 
 
-def _check_model(model: Model, name: str) -> None:
-    if name != model.name:
-        raise OpenAIError(
-            404,
-            f"The model {name!r} does not exist; this service serves {model.name!r}",
-            param="model",
-            code="model_not_found",
-        )
-
-
-def _describe(model: Model) -> dict[str, Any]:
+def _describe(rt: ModelRuntime) -> dict[str, Any]:
+    model = rt.model
     return {
-        "id": model.name,
+        "id": rt.label,
         "object": "model",
         "created": current_app.extensions[_CREATED],
         "owned_by": OWNER,
+        # Beyond OpenAI's fields: which API serves it, and the other names it answers to.
+        "task": task_of(model) if model is not None else None,
+        "aliases": list(rt.names[1:]),
     }
 
 

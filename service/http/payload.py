@@ -10,6 +10,7 @@ the request may reach a batch. A model whose items are images (``item_kind``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -24,25 +25,38 @@ IMAGE_ITEM_KIND = "image"
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp")
 
 
-def parse_inputs(body: bytes, content_type: str | None, model: Model, max_items: int) -> list[Any]:
-    """The prepared items of a ``{"inputs": [...]}`` body; raises a ServeError naming the problem."""
-    if model.item_kind == IMAGE_ITEM_KIND:
-        mimetype = media_type(content_type)
-        if mimetype in IMAGE_TYPES:
+def parse_inputs(
+    body: bytes,
+    content_type: str | None,
+    choose: Callable[[Any], Model],
+    max_items: int,
+    query_model: str | None = None,
+) -> list[Any]:
+    """The prepared items of a ``{"inputs": [...], "model": name}`` body; a ServeError names any problem.
+
+    ``choose`` gives the model a name picks (None: the default). The name is the
+    body's ``model`` field, else ``query_model`` (the URL's ``?model=``, which is
+    how a raw image body names its model).
+    """
+    mimetype = media_type(content_type)
+    if mimetype in IMAGE_TYPES or mimetype == MULTIPART:
+        model = choose(query_model)
+        if model.item_kind == IMAGE_ITEM_KIND:
+            if mimetype == MULTIPART:
+                return prepare_items(parse_parts(body, content_type or "", max_items), model, max_items)
             if not body:
                 raise InvalidInput(f"the request body is empty; send the {mimetype} file's bytes")
             return prepare_items([body], model, max_items)
-        if mimetype == MULTIPART:
-            return prepare_items(parse_parts(body, content_type or "", max_items), model, max_items)
-        if mimetype != "application/json":
-            raise UnsupportedMediaType(
-                f"Content-Type must be {', '.join(IMAGE_TYPES)} (one image), {MULTIPART} (images) "
-                f"or application/json (base64 images), got {mimetype or 'none'}"
-            )
+    elif mimetype != "application/json" and choose(query_model).item_kind == IMAGE_ITEM_KIND:
+        raise UnsupportedMediaType(
+            f"Content-Type must be {', '.join(IMAGE_TYPES)} (one image), {MULTIPART} (images) "
+            f"or application/json (base64 images), got {mimetype or 'none'}"
+        )
     require_json(content_type)
     document = load_json(body, '{"inputs": [item, ...]}')
     if not isinstance(document, dict):
         raise InvalidInput(f'the body must be a JSON object with an "inputs" list, got {json_type(document)}')
+    model = choose(document.get("model", query_model))
     if "inputs" not in document:
         raise InvalidInput('the body has no "inputs" field; send {"inputs": [item, ...]}')
     inputs = document["inputs"]

@@ -26,6 +26,7 @@ from service.http.access import REQUEST_ID_ENVIRON_KEY
 from service.http.inference import (
     Answer,
     Batched,
+    Choose,
     Handler,
     json_answer,
     runtime,
@@ -33,9 +34,9 @@ from service.http.inference import (
     serve_naive,
 )
 from service.http.payload import check_count, load_json, prepare_items, require_json
+from service.model_set import ModelSet
 from service.models import Model
 from service.models.base import MAX_TEXT_CHARS, RERANK, item_sizer, json_type, task_of
-from service.runtime import ModelRuntime
 
 bp = Blueprint("rerank", __name__)
 
@@ -70,7 +71,7 @@ class RerankRequest:
 
 
 def answer_rerank(
-    rt: ModelRuntime,
+    rt: ModelSet,
     environ: dict[str, Any],
     args: Mapping[str, Any],
     *,
@@ -79,10 +80,15 @@ def answer_rerank(
 ) -> Answer:
     asked: list[RerankRequest] = []
 
-    def parse(body: bytes, model: Model) -> list[Any]:
-        check_rerank_model(model)
+    def parse(body: bytes, choose: Choose) -> list[Any]:
         require_json(environ.get("CONTENT_TYPE"))
         document = load_json(body, EXAMPLE)
+        if not isinstance(document, dict):
+            raise BadField(f"the body must be a JSON object such as {EXAMPLE}, got {json_type(document)}")
+        # Unnamed, the first cross-encoder served, which need not be the default model.
+        name = document.get("model")
+        model = choose(rt.first_of(RERANK) if name is None else name)
+        check_rerank_model(model)
         asked.append(parse_request(document, model, rt.settings.documents_limit))
         return asked[0].items
 
@@ -91,11 +97,11 @@ def answer_rerank(
     return json_answer(render(done, asked[0], version, rid), done.batch_size)
 
 
-def answer_rerank_v1(rt: ModelRuntime, environ: dict[str, Any], args: Mapping[str, Any]) -> Answer:
+def answer_rerank_v1(rt: ModelSet, environ: dict[str, Any], args: Mapping[str, Any]) -> Answer:
     return answer_rerank(rt, environ, args, version=1)
 
 
-def answer_rerank_naive(rt: ModelRuntime, environ: dict[str, Any], args: Mapping[str, Any]) -> Answer:
+def answer_rerank_naive(rt: ModelSet, environ: dict[str, Any], args: Mapping[str, Any]) -> Answer:
     return answer_rerank(rt, environ, args, naive=True)
 
 
@@ -136,9 +142,6 @@ def parse_request(document: Any, model: Model, max_items: int) -> RerankRequest:
     """The checked request, its documents prepared as (query, document) items; BadField names the field."""
     if not isinstance(document, dict):
         raise BadField(f"the body must be a JSON object such as {EXAMPLE}, got {json_type(document)}")
-    name = document.get("model")
-    if name is not None and name != model.name:
-        raise NotFound(f"unknown model {name!r}; this service serves {model.name!r}")
     for field, allowed in _UNSUPPORTED.items():
         if document.get(field) is not allowed:
             raise BadField(f'"{field}" is not supported; leave it out')

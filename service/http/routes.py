@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import parse_qs
 
 from flask import Blueprint, Flask, Response, request
 
@@ -17,6 +18,7 @@ from service.http.inference import (
     BATCH_SIZE_HEADER,
     TIMEOUT_HEADER,
     Answer,
+    Choose,
     Handler,
     batch_size_header,
     is_inference_path,
@@ -26,7 +28,8 @@ from service.http.inference import (
     serve_naive,
 )
 from service.http.payload import parse_inputs, render_outputs
-from service.models import Model, describe
+from service.model_set import ModelSet
+from service.models import describe
 from service.runtime import ModelRuntime
 
 __all__ = [
@@ -68,19 +71,23 @@ def check_token(authorization: str, expected: bytes) -> None:
 
 
 def answer_predict(
-    rt: ModelRuntime, environ: dict[str, Any], args: Mapping[str, Any], *, naive: bool = False
+    rt: ModelSet, environ: dict[str, Any], args: Mapping[str, Any], *, naive: bool = False
 ) -> Answer:
-    """A /predict request's items through the worker's batcher, or in this thread for /predict/naive."""
+    """A /predict request's items through its model's batcher, or in this thread for /predict/naive."""
+    query = environ.get("QUERY_STRING")
+    # ?model= names the model of a body that cannot (a raw image); the body's "model" field goes first.
+    named = parse_qs(query).get("model", [None])[-1] if query else None
 
-    def parse(body: bytes, model: Model) -> list[object]:
-        return parse_inputs(body, environ.get("CONTENT_TYPE"), model, rt.settings.max_items_per_request)
+    def parse(body: bytes, choose: Choose) -> list[object]:
+        content_type = environ.get("CONTENT_TYPE")
+        return parse_inputs(body, content_type, choose, rt.settings.max_items_per_request, named)
 
     done = serve_naive(rt, environ, parse) if naive else serve_batched(rt, environ, parse)
     body = render_outputs(done.model.name, done.outputs)
     return Answer(body, "application/json", (batch_size_header(done.batch_size),))
 
 
-def answer_naive(rt: ModelRuntime, environ: dict[str, Any], args: Mapping[str, Any]) -> Answer:
+def answer_naive(rt: ModelSet, environ: dict[str, Any], args: Mapping[str, Any]) -> Answer:
     return answer_predict(rt, environ, args, naive=True)
 
 
@@ -116,21 +123,25 @@ def readyz() -> Response:
 
 @bp.get("/info")
 def info() -> Response:
-    rt = runtime()
-    s = rt.settings
+    models = runtime()
+    s = models.settings
+    first = models.default
     return json_response(
         {
-            "model": describe(rt.model) if rt.model is not None else None,
+            # The default model (the first SERVE_MODEL lists), as a service of one model describes it.
+            "model": describe(first.model) if first.model is not None else None,
             # The precision in use, what was asked for, and its exactness against float32.
-            "precision": rt.precision.describe() if rt.precision is not None else None,
+            "precision": first.precision.describe() if first.precision is not None else None,
             # Built once in the gunicorn master and shared by every worker (SERVE_SHARE_WEIGHTS).
-            "shared_weights": rt.shared_weights,
-            "ready": rt.readiness() is None,
-            "not_ready_reason": rt.readiness(),
-            "pid": rt.pid,
+            "shared_weights": first.shared_weights,
+            # Every model served, the default first, with the names clients may pick it by.
+            "models": [_describe_model(rt) for rt in models.runtimes],
+            "ready": models.readiness() is None,
+            "not_ready_reason": models.readiness(),
+            "pid": models.pid,
             # The worker's place in the topology plan; null outside gunicorn_conf.py.
             "slot": s.worker_slot,
-            "device": s.worker_device or rt.device,
+            "device": s.worker_device or models.device,
             "gpu_memory_fraction": s.worker_gpu_memory_fraction,
             "torch_threads": s.torch_threads,
             "batching": {
@@ -138,7 +149,9 @@ def info() -> Response:
                 "max_batch_delay_ms": s.max_batch_delay_ms,
                 "gather": s.batch_gather,
                 "max_queue": s.queue_limit,
-                "queue_depth": rt.batcher.depth if rt.batcher is not None else 0,
+                "queue_depth": sum(rt.batcher.depth for rt in models.runtimes if rt.batcher is not None),
+                # Models share the worker's threads, one call at a time (service.batching.model_time).
+                "models_take_turns": models.model_time is not None,
             },
             "limits": {
                 "max_items_per_request": s.max_items_per_request,
@@ -150,3 +163,15 @@ def info() -> Response:
             },
         }
     )
+
+
+def _describe_model(rt: ModelRuntime) -> dict[str, Any]:
+    return {
+        "name": rt.label,
+        "names": list(rt.names),
+        "model": describe(rt.model) if rt.model is not None else None,
+        "precision": rt.precision.describe() if rt.precision is not None else None,
+        "shared_weights": rt.shared_weights,
+        "ready": rt.readiness() is None,
+        "queue_depth": rt.batcher.depth if rt.batcher is not None else 0,
+    }

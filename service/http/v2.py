@@ -17,9 +17,17 @@ from flask import Blueprint, Response, request
 from service import __version__
 from service.errors import ServeError
 from service.http import v2_codec
-from service.http.inference import Answer, Handler, batch_size_header, json_response, runtime, serve_batched
+from service.http.inference import (
+    Answer,
+    Choose,
+    Handler,
+    batch_size_header,
+    json_response,
+    runtime,
+    serve_batched,
+)
+from service.model_set import ModelSet
 from service.models import Model
-from service.runtime import ModelRuntime
 
 bp = Blueprint("v2", __name__, url_prefix="/v2")
 
@@ -77,12 +85,13 @@ def model_ready(name: str, version: str | None = None) -> Response:
     return json_response({"name": model.name, "ready": True})
 
 
-def answer_infer(rt: ModelRuntime, environ: dict[str, Any], args: Mapping[str, Any]) -> Answer:
+def answer_infer(rt: ModelSet, environ: dict[str, Any], args: Mapping[str, Any]) -> Answer:
     name, version = args["name"], args.get("version")
     parsed: list[v2_codec.InferRequest] = []
 
-    def parse(body: bytes, model: Model) -> list[object]:
-        _check_name(model, name, version)
+    def parse(body: bytes, choose: Choose) -> list[object]:
+        model = choose(name)  # the URL names the model, as in Triton: unknown is 404
+        _check_version(name, version)
         spec = _input_spec(model)
         infer_request = v2_codec.parse_request(body, environ.get(_HEADER_LENGTH_ENVIRON_KEY), spec)
         parsed.append(infer_request)
@@ -108,15 +117,13 @@ def infer(name: str, version: str | None = None) -> Response:
 
 
 def _served(name: str, version: str | None) -> Model:
-    """The loaded model, if ``name`` (and ``version``) name it; 404 if not, 503 while loading."""
-    model, _ = runtime().require_ready()
-    _check_name(model, name, version)
+    """The model ``name`` (and ``version``) names, once loaded; 404 if none, 503 while it loads."""
+    model, _ = runtime().pick(name).require_ready()
+    _check_version(name, version)
     return model
 
 
-def _check_name(model: Model, name: str, version: str | None) -> None:
-    if name != model.name:
-        raise NotFound(f"unknown model {name!r}; this service serves {model.name!r}")
+def _check_version(name: str, version: str | None) -> None:
     if version is not None and version != v2_codec.VERSION:
         raise NotFound(f"model {name!r} has no version {version!r}; it serves version {v2_codec.VERSION}")
 

@@ -15,7 +15,8 @@ from service.topology.table import render
 def main() -> int:
     try:
         settings = Settings.from_env()
-        topology = plan(settings, read_inventory(cuda_visible_devices()), weights(settings.model))
+        models = [weights(entry.spec) for entry in settings.models]
+        topology = plan(settings, read_inventory(cuda_visible_devices()), models)
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ Each rule's reason is in docs/topology.md and in the plan's table.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from service.errors import SettingsError
@@ -110,12 +111,19 @@ class Plan:
         }
 
 
-def plan(settings: Settings, inventory: Inventory, weights: Weights | None = None) -> Plan:
+def plan(
+    settings: Settings,
+    inventory: Inventory,
+    weights: Weights | Sequence[Weights | None] | None = None,
+) -> Plan:
     """The workers, threads and GPU shares for ``settings`` on ``inventory``.
 
-    ``weights`` (service.model_spec.weights, read from disk by the caller) lets
-    a GPU plan say what each worker's copy of the weights takes at the
-    precision in use, and warn where its share cannot hold them.
+    ``weights`` (service.model_spec.weights, read from disk by the caller; one
+    per model SERVE_MODEL lists) lets a GPU plan say what each worker's copies
+    of the weights take at the precision in use, and warn where its share
+    cannot hold them. Every worker holds every model; its models take turns on
+    its threads (service.batching.model_time), so the plan's threads are the
+    worker's, whatever the number of models.
     """
     decisions: list[Decision] = []
     warnings: list[str] = []
@@ -247,24 +255,28 @@ def _gpu_workers(
 
 def _check_weights(
     settings: Settings,
-    weights: Weights | None,
+    weights: Weights | Sequence[Weights | None] | None,
     devices: tuple[DevicePlan, ...],
     decisions: list[Decision],
     warnings: list[str],
 ) -> None:
-    """Does each worker's share hold its copy of the weights, at the precision it runs in on a GPU?"""
-    if weights is None:
+    """Does each worker's share hold its copies of the weights, at the precision each runs in on a GPU?"""
+    known = [w for w in ([weights] if isinstance(weights, Weights) else weights or ()) if w is not None]
+    if not known:
         return
     requested = settings.precision
     # SERVE_PRECISION=auto runs a text model in float16 on a GPU (service.models.precision.resolve).
-    precision = ("float16" if weights.reducible else "float32") if requested == "auto" else requested
-    mb = weights.mb_at(precision)
+    at = [("float16" if w.reducible else "float32") if requested == "auto" else requested for w in known]
+    mb = sum(w.mb_at(p) for w, p in zip(known, at, strict=True))
+    precision = "/".join(sorted(set(at)))
+    on_disk = " + ".join(f"{w.mb:.0f} MiB at {w.bytes_per_number} bytes a number" for w in known)
     decisions.append(
         Decision(
             "weights per worker",
             f"{mb:.0f} MiB at {precision}",
-            f"{weights.mb:.0f} MiB on disk at {weights.bytes_per_number} bytes a number; SERVE_PRECISION="
-            f"{requested}; each worker holds its own copy on its GPU",
+            f"{on_disk} on disk; SERVE_PRECISION={requested}; each worker holds its own copy"
+            + (f" of each of the {len(known)} models" if len(known) > 1 else "")
+            + " on its GPU",
         )
     )
     per_token = settings.token_memory_kb

@@ -138,7 +138,7 @@ def test_sharing_is_wanted_on_cpu_plans_with_it_on_and_the_model_is_taken_only_b
     assert not preload.wanted(off, ["cpu"])
     assert not preload.wanted(on, ["cpu", "cuda:0"])
     held = preload.Preloaded("minilm", object(), Outcome("auto", "float32"), 1.0)  # type: ignore[arg-type]
-    monkeypatch.setattr(preload, "_held", held)
+    monkeypatch.setattr(preload, "_held", {on.models[0]: held})
     assert preload.take(on, "cpu") is held
     assert preload.take(on, "cuda") is None
     assert preload.take(Settings(model="mlp"), "cpu") is None

@@ -14,7 +14,7 @@ JSON = "application/json"
 
 def parse(body: object, content_type: str | None = JSON, max_items: int = 4) -> list[object]:
     raw = body if isinstance(body, bytes) else orjson.dumps(body)
-    return parse_inputs(raw, content_type, MODEL, max_items)
+    return parse_inputs(raw, content_type, lambda name: MODEL, max_items)
 
 
 def test_valid_items_are_prepared_as_float_arrays() -> None:
