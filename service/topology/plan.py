@@ -281,11 +281,12 @@ def _check_weights(
     )
     per_token = settings.token_memory_kb
     activations = settings.max_batch_tokens * per_token / 1024 if per_token else 0
+    owner = "models'" if len(known) > 1 else "model's"
     for device in devices:
         if mb + activations > device.allocator_mb:
             warnings.append(
-                f"each worker's {device.allocator_mb} MiB share on {device.device} cannot hold the model's "
-                f"{mb:.0f} MiB of weights at {precision}"
+                f"each worker's {device.allocator_mb} MiB share on {device.device} cannot hold the "
+                f"{owner} {mb:.0f} MiB of weights at {precision}"
                 + (f" and a full call's {activations:.0f} MiB of activations" if activations else "")
                 + " (run fewer workers on it, or a smaller precision)"
             )

@@ -145,3 +145,32 @@ def test_a_model_that_fails_to_load_stops_the_service_with_its_name(model_dirs: 
     # And one that cannot be named at all is refused before any worker starts.
     code, log = gunicorn_exit({"SERVE_MODEL": "embed=minilm,embed=mlp"}, timeout=30)
     assert code != 0 and "the name 'embed' is given to both" in log
+
+
+def test_three_models_of_three_kinds_on_one_port(model_dirs: dict[str, Path]) -> None:
+    dirs = model_dirs
+    spec = f"embed={dirs['embeddings']},rerank={dirs['rerank']},sentiment={dirs['classification']}"
+    with gunicorn({"SERVE_MODEL": spec, "SERVE_WORKERS": "1"}) as server:
+        listed = server.get("/v1/models").json()["data"]
+        assert [(m["id"], m["task"]) for m in listed] == [
+            ("embed", "embeddings"),
+            ("rerank", "rerank"),
+            ("sentiment", "classification"),
+        ]
+        embedded = server.post("/predict", json={"inputs": ["A man is eating food."]}).json()
+        assert embedded["model"] == "embed" and len(embedded["outputs"][0]) == 384
+        labelled = server.post("/predict", json={"model": "sentiment", "inputs": ["Great film."]}).json()
+        assert labelled["model"] == "sentiment" and {o["label"] for o in labelled["outputs"][0]} == {
+            "negative",
+            "neutral",
+            "positive",
+        }
+        ranked = server.post("/v2/rerank", json={"query": QUERY, "documents": DOCUMENTS}).json()
+        assert sorted(r["index"] for r in ranked["results"]) == [0, 1, 2, 3]
+        # Each route keeps to its task: the classifier is not a reranker.
+        assert (
+            server.post(
+                "/v2/rerank", json={"model": "sentiment", "query": "q", "documents": ["d"]}
+            ).status_code
+            == 404
+        )

@@ -376,6 +376,23 @@ def test_a_share_too_small_for_the_weights_is_warned_of() -> None:
     assert not plan(Settings(workers_per_device=2), inventory, Weights(100, 4, True)).warnings
 
 
+def test_a_gpu_plan_sizes_each_workers_share_for_every_model_it_holds() -> None:
+    # GPU planning is mocked: an inventory of one 8 GiB GPU, no device needed.
+    from service.model_spec import Weights
+
+    inventory = Inventory(affinity_cores=8, cpu_quota=None, gpus=(gpu(0, 8_192),))
+    embed = Weights(mb=1_300, bytes_per_number=4, reducible=True)
+    program = Weights(mb=400, bytes_per_number=4, reducible=False)
+    both = plan(Settings(), inventory, [embed, program, None])  # None: a factory, unknown until loaded
+    decided = {d.what: d for d in both.decisions}["weights per worker"]
+    assert decided.value == "1050 MiB at float16/float32"  # 650 at float16 + 400 at float32
+    assert "of each of the 2 models" in decided.why
+    # Two models that fit alone may not fit together.
+    warned = plan(Settings(workers_per_device=2), inventory, [Weights(5_000, 4, True)] * 2).warnings
+    assert any("cannot hold the models' 5000 MiB of weights" in w for w in warned)
+    assert not plan(Settings(workers_per_device=2), inventory, [Weights(5_000, 4, True)]).warnings
+
+
 def test_the_weights_of_a_directory_are_read_from_its_files(model_dirs: dict[str, object]) -> None:
     from pathlib import Path
 
