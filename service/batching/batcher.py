@@ -55,7 +55,7 @@ import numpy as np
 
 from service.batching import native
 from service.batching.admission import AdmissionRule, Pace, ServiceMeter, predict_wait
-from service.batching.model_time import ModelTime
+from service.batching.model_time import SHARED_CALL_S, ModelTime
 from service.batching.reply import Reply
 from service.batching.subbatch import Cost, CostModel, cut
 from service.batching.waiting import end_of_hub_turn
@@ -861,7 +861,7 @@ class Batcher:
         """
         if self._model_time is None:
             return self._call_model(items)
-        with self._model_time.turn() as waited:
+        with self._model_time.turn(self._share) as waited:
             self._last_turn_wait_s = waited
             self._turn_waits_s += waited
             return self._call_model(items)
@@ -884,7 +884,9 @@ class Batcher:
         if estimate is None:
             ranges = [(0, len(sizes))]  # nothing measured yet: one call, as without sizes
         else:
-            ranges = cut(sizes, estimate, max_tokens=self._max_tokens, max_rows=self._max_batch_size)
+            ranges = cut(
+                sizes, estimate, max_tokens=self._call_tokens(estimate), max_rows=self._max_batch_size
+            )
         # Before any sub-batch runs: a request is answered as soon as its last
         # sub-batch does, and its thread reads batch_size for X-Batch-Size then.
         for part in live:
@@ -908,6 +910,18 @@ class Batcher:
         served = [part for r, part in enumerate(live) if r not in shed]
         self._batch_ran(served, sum(len(part.items) for part in served), started)
         notify(self._observer.on_sub_batches, real, padded, calls)
+
+    def _call_tokens(self, estimate: Cost) -> int:
+        """A call's padded-token budget: SERVE_MAX_BATCH_TOKENS, and one slice of time when models share.
+
+        The model time is handed over between calls, never during one: a call
+        bounded to a slice keeps the other models' requests from waiting behind
+        one long call of this one's.
+        """
+        if self._model_time is None or estimate.per_token_s <= 0:
+            return self._max_tokens
+        sliced = (SHARED_CALL_S - estimate.overhead_s) / estimate.per_token_s
+        return max(1, min(self._max_tokens, int(sliced)))
 
     def _batch_ran(self, live: list[Part], items: int, started: float) -> None:
         """Record a batch that ran from ``started``: the model time gathering expects, and the metrics."""

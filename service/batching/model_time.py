@@ -4,13 +4,20 @@
 #   SERVE_TORCH_THREADS for the cores it owns, not that many per model. Two
 #   model calls at once would each run on the full pool and oversubscribe the
 #   cores, as concurrent request threads do on the naive route.
-# - So a model call takes the worker's model time first: one call at a time,
-#   handed over first come, first served. Two models with work waiting then
-#   alternate call by call (a call is one length-sorted sub-batch, bounded by
-#   SERVE_MAX_BATCH_TOKENS), so a flood of one model's requests delays another
-#   model's request by at most one of its calls at a time: fair shares of model
-#   time, without a deadline scheduler that a flood with earlier deadlines could
-#   starve the other model by.
+# - So a model call takes the worker's model time first: one call at a time.
+#   When it is handed back, the asking model that has used the least model time
+#   goes next (fair queueing by time, not by calls: a rerank call of 64 pairs
+#   costs ten embedding calls of a few texts, and turns by call would give the
+#   costlier model nearly all the time). With two models busy each gets half, so
+#   a flood of one model's requests slows another's to about twice its time
+#   alone, and cannot starve it. A call is one length-sorted sub-batch, which
+#   the batcher cuts to about SHARED_CALL_S of model time while models share, so
+#   no model holds the time for long.
+# - A model that was idle banks little credit: when it asks, its count is raised
+#   to within CREDIT_S of the least of the models already holding or asking, as
+#   start-time fair queueing does; else a model back from a quiet minute would
+#   hold the time for a minute. Two busy models stay within a call of each
+#   other, so the raise never touches them.
 # - The locks are service.batching.native's: batch threads are OS threads, also
 #   in a gevent worker.
 # - A lone model has no ModelTime (None), and its calls take no turn at all.
@@ -21,25 +28,35 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from service.batching import native
 
+# How far behind the others a model back from idle may start: a few calls' worth.
+CREDIT_S = 0.1
+# The longest a length-aware model's call is cut to while models share the time
+# (Batcher._call_tokens): what another model's request may wait for one call.
+SHARED_CALL_S = 0.1
+
 
 class ModelTime:
     def __init__(self) -> None:
         self._lock = native.allocate_lock()
-        self._busy = False
-        # A lock per waiting call, held until the call before it hands over.
-        self._waiting: deque[Any] = deque()
+        self._holder: int | None = None
+        # The models asking for the time now (a model has one batch thread: one call each).
+        self._asking: set[int] = set()
+        # A lock per blocked asker, released (all of them) when the time is handed back.
+        self._gates: list[Any] = []
+        # Seconds of model time each model has used (raised when it comes back from idle).
+        self._used: list[float] = []
         # Each model's work queued and not yet run, in seconds of model time (the batchers publish it).
         self._backlogs: list[Callable[[], float]] = []
 
     def join(self, backlog: Callable[[], float]) -> int:
         """A model joins: ``backlog()`` gives its queued work in seconds of model time. Returns its index."""
         self._backlogs.append(backlog)
+        self._used.append(0.0)
         return len(self._backlogs) - 1
 
     def others_backlog(self, index: int) -> float:
@@ -47,24 +64,42 @@ class ModelTime:
         return sum(backlog() for i, backlog in enumerate(self._backlogs) if i != index)
 
     @contextlib.contextmanager
-    def turn(self) -> Iterator[float]:
-        """Hold the model time for one call; yields the seconds waited for it."""
+    def turn(self, index: int) -> Iterator[float]:
+        """Hold the model time for one call of model ``index``; yields the seconds waited for it."""
         asked = time.monotonic()
-        with self._lock:
-            if not self._busy:
-                self._busy = True
-                mine = None
-            else:
-                mine = native.allocate_lock()
-                mine.acquire()
-                self._waiting.append(mine)
-        if mine is not None:
-            mine.acquire()  # released by the call before this one, which hands the time over
+        self._take(index)
+        started = time.monotonic()
         try:
-            yield time.monotonic() - asked
+            yield started - asked
         finally:
             with self._lock:
-                if self._waiting:
-                    self._waiting.popleft().release()  # still busy: the next call holds it now
-                else:
-                    self._busy = False
+                self._used[index] += time.monotonic() - started
+                self._holder = None
+                gates, self._gates = self._gates, []
+            # Every blocked asker looks again; the least served takes it. A model
+            # with more calls to make asks again at once, before the woken ones
+            # run, so it keeps the time while it is the one behind.
+            for gate in gates:
+                gate.release()
+
+    def _take(self, index: int) -> None:
+        self._lock.acquire()
+        try:
+            others = [self._used[i] for i in (*self._asking, self._holder) if i is not None and i != index]
+            if others:
+                # Back from idle, a model is behind by at most CREDIT_S; busy, it is never further behind.
+                self._used[index] = max(self._used[index], min(others) - CREDIT_S)
+            self._asking.add(index)
+            while self._holder is not None or index != min(self._asking, key=self._used.__getitem__):
+                gate = native.allocate_lock()
+                gate.acquire()
+                self._gates.append(gate)
+                self._lock.release()
+                try:
+                    gate.acquire()  # until the time is handed back
+                finally:
+                    self._lock.acquire()
+            self._asking.discard(index)
+            self._holder = index
+        finally:
+            self._lock.release()

@@ -15,6 +15,7 @@ from service.batching.model_time import ModelTime
 
 def test_calls_of_two_models_never_overlap_and_alternate_when_both_wait() -> None:
     shared = ModelTime()
+    index = {name: shared.join(lambda: 0.0) for name in ("embed", "rerank")}
     running: list[str] = []
     order: list[str] = []
     overlap = threading.Event()
@@ -23,7 +24,7 @@ def test_calls_of_two_models_never_overlap_and_alternate_when_both_wait() -> Non
     def model(name: str) -> None:
         start.wait()
         for _ in range(20):
-            with shared.turn():
+            with shared.turn(index[name]):
                 running.append(name)
                 if len(running) > 1:
                     overlap.set()
@@ -38,19 +39,20 @@ def test_calls_of_two_models_never_overlap_and_alternate_when_both_wait() -> Non
         t.join(30)
     assert not overlap.is_set()
     assert sorted(order) == ["embed"] * 20 + ["rerank"] * 20
-    # Handed over first come, first served: once both wait, they alternate call by call
-    # (only before the other thread has first asked may one run twice in a row).
+    # Calls of equal cost: once both wait, the time goes to the one that has used less
+    # of it, which alternates them call by call.
     handovers = sum(1 for a, b in itertools.pairwise(order) if a != b)
     assert handovers >= 30, order
 
 
 def test_a_turn_says_how_long_it_waited() -> None:
     shared = ModelTime()
+    a, b = shared.join(lambda: 0.0), shared.join(lambda: 0.0)
     held = threading.Event()
     release = threading.Event()
 
     def holder() -> None:
-        with shared.turn():
+        with shared.turn(a):
             held.set()
             release.wait(10)
 
@@ -58,11 +60,58 @@ def test_a_turn_says_how_long_it_waited() -> None:
     t.start()
     held.wait(10)
     threading.Timer(0.05, release.set).start()
-    with shared.turn() as waited:
+    with shared.turn(b) as waited:
         assert waited >= 0.04
     t.join(10)
-    with shared.turn() as waited:
+    with shared.turn(b) as waited:
         assert waited < 0.04  # free: taken at once
+
+
+def busy_model(shared: ModelTime, index: int, call_s: float, until: float, used: list[float]) -> None:
+    """A batch thread with work always queued: calls of ``call_s`` each, back to back, until ``until``."""
+    while time.monotonic() < until:
+        with shared.turn(index):
+            started = time.monotonic()
+            time.sleep(call_s)  # stands in for a model call
+            used[index] += time.monotonic() - started
+
+
+def test_the_time_is_shared_fairly_by_time_not_by_calls() -> None:
+    # A reranker's calls cost ten times an embedder's: turns by call would give
+    # it ten elevenths of the time; fair queueing by time gives each about half.
+    shared = ModelTime()
+    embed, rerank = shared.join(lambda: 0.0), shared.join(lambda: 0.0)
+    used = [0.0, 0.0]
+    until = time.monotonic() + 1.0
+    threads = [
+        threading.Thread(target=busy_model, args=(shared, embed, 0.002, until, used)),
+        threading.Thread(target=busy_model, args=(shared, rerank, 0.02, until, used)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert 0.6 < used[embed] / used[rerank] < 1.6, used
+
+
+def test_a_model_back_from_idle_banks_no_credit() -> None:
+    # The embedder ran alone for a while; the reranker then starts. It must not
+    # hold the time until its count catches up: they share from then on.
+    shared = ModelTime()
+    embed, rerank = shared.join(lambda: 0.0), shared.join(lambda: 0.0)
+    used = [0.0, 0.0]
+    busy_model(shared, embed, 0.01, time.monotonic() + 0.5, used)
+    used = [0.0, 0.0]
+    until = time.monotonic() + 0.6
+    threads = [
+        threading.Thread(target=busy_model, args=(shared, embed, 0.01, until, used)),
+        threading.Thread(target=busy_model, args=(shared, rerank, 0.01, until, used)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert used[embed] > 0.15, used  # about half of the 0.6 s, not none
 
 
 def test_a_prediction_counts_the_other_models_queued_work() -> None:
