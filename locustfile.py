@@ -8,7 +8,10 @@ then pick NaiveUser and/or BatchedUser and a shape: StepLoad (1, 8, 32, 64 users
 route, no think time), ArticleLoad (1, 5, 20 users per route, 1-3 s think time), or
 Default (the user count you type, --wait-min/--wait-max think time). IndexingUser is a
 batched client, an indexing job: --texts-per-request texts (32) in every request to
-POST /v1/embeddings, no think time; IndexingLoad runs 1, 2, 4, 8 of them. The "Batching"
+POST /v1/embeddings, no think time; IndexingLoad runs 1, 2, 4, 8 of them. RetrievalUser
+is a search against a service of an embedder and a reranker: it embeds one query with
+POST /v1/embeddings, then reranks --documents-per-query candidates (16) with
+POST /v2/rerank; RetrievalLoad runs 1, 8, 32 of them, no think time. The "Batching"
 tab shows the service's own figures from its /metrics: requests, latency, 503s and 504s
 per route, and the batcher's items a second, mean batch size, queue wait and model time,
 by user count.
@@ -20,11 +23,14 @@ table in the report):
         --shape StepLoad --csv reports/step --html reports/step.html NaiveUser BatchedUser
     .venv/bin/locust -f locustfile.py --host http://127.0.0.1:8000 --headless \
         --shape IndexingLoad --csv reports/indexing IndexingUser
+    .venv/bin/locust -f locustfile.py --host http://127.0.0.1:8000 --headless \
+        --shape RetrievalLoad --csv reports/retrieval RetrievalUser
 
 Users send texts drawn from scripts/fixtures/corpus/mixed.txt (real prose of mixed length) when the
 model takes text; JPEG uploads (the raw body for one image, multipart for several) when it
 takes images; else items that fit it (service.models.base.sample_item). They learn the
-served model from GET /info once, outside the request statistics.
+served model from GET /info once, outside the request statistics; RetrievalUser learns its
+two from GET /v1/models, and stops with the reason if the service lacks either.
 """
 
 from __future__ import annotations
@@ -36,12 +42,13 @@ from typing import Any
 from locust import HttpUser, constant, events, task
 from locust.runners import WorkerRunner
 
-from scripts.load.loadtest import scenarios, shapes
+from scripts.load.loadtest import retrieval, scenarios, shapes
 from scripts.load.loadtest.panel import DEFAULT_INTERVAL_S, Panel
 from scripts.load.loadtest.workload import (
     DEFAULT_TEXTS_PER_REQUEST,
     check_texts_per_request,
     embeddings_failure,
+    read_corpus,
     workload_for,
 )
 
@@ -73,11 +80,18 @@ def _options(parser: Any) -> None:
         help="texts in each IndexingUser request: consecutive lines of the corpus",
     )
     parser.add_argument(
+        "--documents-per-query",
+        type=int,
+        default=retrieval.DEFAULT_DOCUMENTS_PER_QUERY,
+        env_var="LOCUST_DOCUMENTS_PER_QUERY",
+        help="candidates each RetrievalUser query reranks: the corpus lines after the query's",
+    )
+    parser.add_argument(
         "--step-seconds",
         type=float,
         default=scenarios.DEFAULT_STEP_SECONDS,
         env_var="LOCUST_STEP_SECONDS",
-        help="how long StepLoad, ArticleLoad and IndexingLoad hold each user count",
+        help="how long each shape (StepLoad, ArticleLoad, IndexingLoad, RetrievalLoad) holds a user count",
     )
     parser.add_argument(
         "--shape",
@@ -122,19 +136,24 @@ def _offer_scenarios(environment: Any, runner: Any, chosen: str | None) -> None:
         environment.shape_class.runner = runner
 
 
+def think_time(environment: Any) -> float:
+    """Seconds a user waits between requests: the shape's think time, else --wait-min to --wait-max."""
+    shape = environment.shape_class
+    if isinstance(shape, shapes.ScenarioShape):
+        low, high = shape.scenario.think_time
+    else:
+        options = environment.parsed_options
+        low = options.wait_min if options else 1.0
+        high = options.wait_max if options else 3.0
+    return random.uniform(low, max(low, high))
+
+
 class ModelUser(HttpUser):
     abstract = True
     route = "/predict"
 
     def wait_time(self) -> float:
-        shape = self.environment.shape_class
-        if isinstance(shape, shapes.ScenarioShape):
-            low, high = shape.scenario.think_time
-        else:
-            options = self.environment.parsed_options
-            low = options.wait_min if options else 1.0
-            high = options.wait_max if options else 3.0
-        return random.uniform(low, max(low, high))
+        return think_time(self.environment)
 
     def on_start(self) -> None:
         options = self.environment.parsed_options
@@ -186,10 +205,61 @@ class IndexingUser(HttpUser):
     def embed(self) -> None:
         sent = self.workload.embeddings_request(self.texts, self.rng)
         with self.client.post(self.route, name=self.request_name, catch_response=True, **sent) as response:
-            try:
-                answer = response.json()
-            except ValueError:
-                answer = None
-            failure = embeddings_failure(response.status_code, answer, self.texts)
+            failure = embeddings_failure(response.status_code, _json(response), self.texts)
             if failure is not None:
                 response.failure(failure)
+
+
+class RetrievalUser(HttpUser):
+    """A search against an embedder and a reranker in one service: embed the query, rerank its candidates.
+
+    Each iteration embeds one corpus line with ``POST /v1/embeddings``, then reranks the
+    ``--documents-per-query`` lines after it with ``POST /v2/rerank``, as a retrieval
+    pipeline does once its vector index has answered; a query whose embedding failed goes
+    no further. The two requests' names keep the steps apart in the statistics. Between
+    iterations it waits the shape's think time (none in RetrievalLoad), or --wait-min to
+    --wait-max without a shape.
+    """
+
+    embed_route = "/v1/embeddings"
+    rerank_route = "/v2/rerank"
+
+    def wait_time(self) -> float:
+        return think_time(self.environment)
+
+    def on_start(self) -> None:
+        options = self.environment.parsed_options
+        self.documents = retrieval.check_documents_per_query(
+            options.documents_per_query if options else retrieval.DEFAULT_DOCUMENTS_PER_QUERY
+        )
+        self.models = retrieval.models_for(self.host)
+        self.embed_name = f"{self.embed_route} (query)"
+        self.rerank_name = f"{self.rerank_route} ({self.documents} documents)"
+        self.texts = read_corpus()
+        self.rng = random.Random()
+
+    @task
+    def search(self) -> None:
+        query, candidates = retrieval.query_and_candidates(self.texts, self.documents, self.rng)
+        sent = retrieval.embed_request(self.models.embed, query)
+        embed = self.client.post(self.embed_route, name=self.embed_name, catch_response=True, **sent)
+        with embed as response:
+            failure = embeddings_failure(response.status_code, _json(response), 1)
+            if failure is not None:
+                response.failure(failure)
+            embedded = failure is None and response.status_code == 200
+        if not embedded:
+            return  # without the query's vector the index finds no candidates to rerank
+        sent = retrieval.rerank_request(self.models.rerank, query, candidates)
+        rerank = self.client.post(self.rerank_route, name=self.rerank_name, catch_response=True, **sent)
+        with rerank as response:
+            failure = retrieval.rerank_failure(response.status_code, _json(response), len(candidates))
+            if failure is not None:
+                response.failure(failure)
+
+
+def _json(response: Any) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return None

@@ -179,3 +179,22 @@ def test_bench_script_refuses_rerank_of_a_model_that_is_no_cross_encoder(tmp_pat
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     assert "--rerank needs a cross-encoder" in result.stderr
+
+
+def test_retrieval_bench_runs_searches_on_one_service_and_on_two_side_by_side(
+    model_dirs: dict[str, Path],
+) -> None:
+    command = [sys.executable, "scripts/bench/retrieval.py", "--users", "2", "--seconds", "1"]
+    command += ["--documents", "4", "--embedder", str(model_dirs["embeddings"])]
+    command += ["--cross-encoder", str(model_dirs["rerank"])]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Command: `.venv/bin/python scripts/bench/retrieval.py --users 2 --seconds 1" in result.stdout
+    lines = [line.strip("|").split("|") for line in result.stdout.splitlines() if line.startswith("| 2 |")]
+    rows = {cells[1].strip(): [cell.strip() for cell in cells] for cells in lines}
+    assert set(rows) == {"one service", "two services"}, result.stdout
+    for setup, cells in rows.items():
+        assert float(cells[3]) > 0, (setup, cells)  # searches a second
+        assert cells[-1] == "0", (setup, cells)  # every answer a 200
+    assert rows["one service"][4].endswith("x") and rows["two services"][4] == "-"
+    assert " + " in rows["two services"][2], "each service's own plan"

@@ -2,8 +2,9 @@
 
 The service runs the default model; ``bash scripts/load/dashboard`` opens Locust's web
 UI on it; headless Chromium picks the StepLoad shape with the two /predict routes' user
-classes (unticking IndexingUser, whose batched clients test_locust_reports.py runs) and
-starts it, so that each route takes its turn at each user count.
+classes (unticking IndexingUser and RetrievalUser, whose batched clients and searches on
+two models test_locust_reports.py runs) and starts it, so that each route takes its turn
+at each user count.
 Screenshots go to test-artifacts/dashboard/ (ignored by git), also when the test fails.
 """
 
@@ -44,7 +45,7 @@ STEP_SECONDS = 8
 METRICS_INTERVAL_S = 1
 STEPS = (1, 8, 32, 64)  # StepLoad's users per route
 ROUTES = ("/predict/batched", "/predict/naive")
-USER_CLASSES = ("BatchedUser", "IndexingUser", "NaiveUser")
+USER_CLASSES = ("BatchedUser", "IndexingUser", "NaiveUser", "RetrievalUser")
 _URL_LINE = re.compile(r"Locust dashboard: (http://\S+)")
 
 
@@ -130,11 +131,19 @@ def test_step_shape_through_the_ui_shows_both_routes_and_the_batching(artifacts:
             wait = WebDriverWait(browser, 30)
             shape = wait.until(lambda b: b.find_element(By.ID, "shapeClass"))
             options = {option.get_attribute("value") for option in Select(shape).options}
-            assert {"StepLoad", "ArticleLoad", "IndexingLoad"} <= options, options
+            assert {"StepLoad", "ArticleLoad", "IndexingLoad", "RetrievalLoad"} <= options, options
             Select(shape).select_by_value("StepLoad")
             assert picked(browser) == dict.fromkeys(USER_CLASSES, True), "every user class starts picked"
-            picker_box(browser, "IndexingUser").click()  # StepLoad here compares the two routes
-            assert picked(browser) == {"BatchedUser": True, "IndexingUser": False, "NaiveUser": True}
+            # StepLoad here compares the two routes; RetrievalUser would stop at once on the
+            # default model, which serves no reranker.
+            for other in ("IndexingUser", "RetrievalUser"):
+                picker_box(browser, other).click()
+            assert picked(browser) == {
+                "BatchedUser": True,
+                "IndexingUser": False,
+                "NaiveUser": True,
+                "RetrievalUser": False,
+            }
             browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
 
             run_time = len(STEPS) * len(ROUTES) * STEP_SECONDS

@@ -110,6 +110,43 @@ def test_indexing_jobs_send_the_embeddings_api_many_texts_a_request(tmp_path: Pa
     assert float(batcher["Items/s"]) == pytest.approx(8 * float(route["Req/s"]), rel=0.05), batcher
 
 
+def test_retrieval_users_embed_a_query_then_rerank_its_candidates_on_one_service(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    # Tiny models (tests/support/hf_dirs.py), named in an order that puts the reranker
+    # second: the users learn which is which from /v1/models, not from the names.
+    spec = f"embed={model_dirs['embeddings']},rerank={model_dirs['rerank']}"
+    prefix = tmp_path / "retrieval"
+    with gunicorn({"SERVE_MODEL": spec, "SERVE_WORKERS": "1"}) as pair:
+        headless(
+            pair.url,
+            *("-u", "2", "-r", "2", "-t", "4s", "--wait-min", "0", "--wait-max", "0"),
+            *("--documents-per-query", "4", "--csv", str(prefix), "--only-summary", "RetrievalUser"),
+        )
+    stats = read_stats(prefix)
+    steps = ("/v1/embeddings (query)", "/v2/rerank (4 documents)")
+    assert set(stats) == {*steps, "Aggregated"}, "GET /v1/models stays out; each step has its name"
+    assert int(stats["Aggregated"]["Failure Count"]) == 0, stats
+    for step in steps:
+        assert int(stats[step]["Request Count"]) > 0, stats[step]
+    # Every answered query went on to its rerank: at most the users' last queries had not.
+    embedded, reranked = (int(stats[step]["Request Count"]) for step in steps)
+    assert 0 <= embedded - reranked <= 2, stats
+    with open(f"{prefix}_batching.csv") as f:
+        batching = {(row["Users"], row["Route"]): row for row in csv.DictReader(f)}
+    for route in ("/v1/embeddings", "/v2/rerank"):
+        assert int(batching[("whole run", route)]["Requests"]) > 0, batching
+
+
+def test_a_retrieval_user_on_a_service_without_a_reranker_stops_saying_so(server: Server) -> None:
+    # The module's service serves one mlp: neither an embedder nor a reranker.
+    command = [sys.executable, "-m", "locust", "-f", "locustfile.py", "--host", server.url, "--headless"]
+    command += ["-u", "1", "-r", "1", "-t", "2s", "--only-summary", "RetrievalUser"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0, result.stderr[-3000:]
+    assert f"the service at {server.url} serves no embeddings and no rerank model" in result.stderr
+
+
 @pytest.mark.filterwarnings(images.JIT_DEPRECATED)
 @pytest.mark.parametrize("items", [1, 3])
 def test_locust_sends_an_image_model_jpeg_uploads(tmp_path: Path, items: int) -> None:

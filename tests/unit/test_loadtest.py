@@ -9,11 +9,13 @@ from typing import Any
 import pytest
 from flask.testing import FlaskClient
 
+from scripts.load.loadtest import retrieval
 from scripts.load.loadtest.panel import WHOLE_RUN, Panel
-from scripts.load.loadtest.scenarios import ARTICLE_LOAD, INDEXING_LOAD, STEP_LOAD, turn
+from scripts.load.loadtest.scenarios import ARTICLE_LOAD, INDEXING_LOAD, RETRIEVAL_LOAD, STEP_LOAD, turn
 from scripts.load.loadtest.service_metrics import BATCHER_ROW, NOT_APPLICABLE, Reading, RouteCounts, rows
 from scripts.load.loadtest.workload import (
     Workload,
+    WorkloadError,
     check_texts_per_request,
     embeddings_failure,
     read_corpus,
@@ -37,6 +39,29 @@ def test_a_reading_holds_the_service_counters_and_leaves_out_scrapes_and_probes(
     assert growth.items == 6  # the naive route runs no batches
     assert 1 <= growth.batches <= 3
     assert growth.queue_wait_count == 3
+
+
+def test_a_reading_sums_the_series_of_every_model() -> None:
+    text = """\
+serve_http_requests_total{code="200",model="embed",route="/v1/embeddings"} 5.0
+serve_http_requests_total{code="200",model="small",route="/v1/embeddings"} 2.0
+serve_http_requests_total{code="503",model="",route="/v1/embeddings"} 1.0
+serve_http_request_duration_seconds_count{model="embed",route="/v1/embeddings"} 5.0
+serve_http_request_duration_seconds_count{model="small",route="/v1/embeddings"} 2.0
+serve_http_request_duration_seconds_count{model="",route="/v1/embeddings"} 1.0
+serve_inferred_items_total{model="embed"} 10.0
+serve_inferred_items_total{model="small"} 4.0
+serve_rejected_requests_total{model="embed",reason="queue_full"} 2.0
+serve_rejected_requests_total{model="",reason="queue_full"} 1.0
+serve_batch_queue_depth{model="embed"} 3.0
+serve_batch_queue_depth{model="small"} 1.0
+"""
+    reading = Reading.parse(text)
+    assert reading.routes["/v1/embeddings"].by_code == {"200": 7.0, "503": 1.0}
+    assert reading.routes["/v1/embeddings"].latency_count == 8
+    assert reading.items == 14
+    assert reading.rejected == {"queue_full": 3.0}
+    assert reading.queue_depth == 4
 
 
 def test_rows_give_per_route_figures_and_the_batcher_s() -> None:
@@ -156,6 +181,21 @@ def test_indexing_load_walks_a_few_jobs_without_think_time() -> None:
     assert INDEXING_LOAD.think_time == (0.0, 0.0)
 
 
+def test_retrieval_load_walks_1_8_32_searches_without_think_time() -> None:
+    assert turn(RETRIEVAL_LOAD, ["RetrievalUser"], {"RetrievalUser": 1}, 3.0, step_seconds=3.0) == (
+        8,
+        8.0,
+        "RetrievalUser",
+    )
+    assert turn(RETRIEVAL_LOAD, ["RetrievalUser"], {"RetrievalUser": 8}, 6.0, step_seconds=3.0) == (
+        32,
+        32.0,
+        "RetrievalUser",
+    )
+    assert turn(RETRIEVAL_LOAD, ["RetrievalUser"], {"RetrievalUser": 32}, 9.0, step_seconds=3.0) is None
+    assert RETRIEVAL_LOAD.think_time == (0.0, 0.0)
+
+
 def test_a_step_must_last_some_time() -> None:
     with pytest.raises(ValueError, match="LOCUST_STEP_SECONDS"):
         turn(STEP_LOAD, ["BatchedUser"], {}, 1.0, step_seconds=2.5)
@@ -226,3 +266,85 @@ def test_an_embeddings_answer_fails_on_a_missing_embedding_or_says_what_a_4xx_sa
     status: int, answer: Any, expected: str | None
 ) -> None:
     assert embeddings_failure(status, answer, sent=3) == expected
+
+
+def _listing(*models: tuple[str, str]) -> dict[str, Any]:
+    """``GET /v1/models``'s answer for (id, task) pairs, in order."""
+    entries = [{"id": name, "object": "model", "task": task, "aliases": []} for name, task in models]
+    return {"object": "list", "data": entries}
+
+
+def test_a_retrieval_user_takes_the_first_embedder_and_the_first_reranker() -> None:
+    listing = _listing(
+        ("classify", "classification"),
+        ("rerank", "rerank"),
+        ("embed", "embeddings"),
+        ("small", "embeddings"),
+        ("rerank-2", "rerank"),
+    )
+    assert retrieval.pick_models(listing, "http://h") == retrieval.RetrievalModels(
+        embed="embed", rerank="rerank"
+    )
+
+
+@pytest.mark.parametrize(
+    ("listing", "missing"),
+    [
+        (_listing(("embed", "embeddings")), "serves no rerank model (it serves embed (embeddings))"),
+        (_listing(("rerank", "rerank")), "serves no embeddings model (it serves rerank (rerank))"),
+        (_listing(), "serves no embeddings and no rerank model (it serves none)"),
+    ],
+)
+def test_a_service_without_both_models_fails_the_retrieval_user_saying_what_it_serves(
+    listing: dict[str, Any], missing: str
+) -> None:
+    with pytest.raises(WorkloadError) as caught:
+        retrieval.pick_models(listing, "http://127.0.0.1:8000")
+    assert f"the service at http://127.0.0.1:8000 {missing}" in str(caught.value)
+    assert "SERVE_MODEL='embed=minilm,rerank=" in str(caught.value), "says how to serve both"
+
+
+def test_a_models_answer_without_a_list_is_refused() -> None:
+    with pytest.raises(WorkloadError, match='without a list of models in its "data"'):
+        retrieval.pick_models({"error": "nope"}, "http://h")
+
+
+def test_a_query_s_candidates_are_the_lines_after_it_and_never_the_query() -> None:
+    texts = ("a", "b", "c", "d", "e")
+    rng = random.Random(0)
+    for _ in range(20):
+        query, candidates = retrieval.query_and_candidates(texts, 3, rng)
+        start = texts.index(query)
+        assert candidates == [texts[(start + 1 + i) % len(texts)] for i in range(3)], "round the end"
+        assert query not in candidates
+    sent = retrieval.rerank_request("rerank", "q", ["x", "y"])
+    assert sent == {"json": {"model": "rerank", "query": "q", "documents": ["x", "y"]}}
+    assert retrieval.embed_request("embed", "q") == {"json": {"model": "embed", "input": ["q"]}}
+
+
+def test_documents_per_query_must_be_at_least_one() -> None:
+    assert retrieval.check_documents_per_query(16) == 16
+    with pytest.raises(ValueError, match=r"LOCUST_DOCUMENTS_PER_QUERY\) must be at least 1 document, got 0"):
+        retrieval.check_documents_per_query(0)
+
+
+@pytest.mark.parametrize(
+    ("status", "answer", "expected"),
+    [
+        (200, {"results": [{}, {}, {}]}, None),
+        (200, {"results": [{}]}, "1 results for 3 documents"),
+        (200, None, '200 without a list of "results"'),
+        (400, {"message": '"documents" holds 2000 items'}, '400: "documents" holds 2000 items'),
+        (404, {"message": "model 'embed' serves embeddings, not rerank"}, "404: model 'embed' serves"),
+        (503, {"message": "the service is overloaded"}, None),  # Locust fails it by its status
+        (504, None, None),
+    ],
+)
+def test_a_rerank_answer_fails_on_a_missing_result_or_says_what_a_4xx_said(
+    status: int, answer: Any, expected: str | None
+) -> None:
+    failure = retrieval.rerank_failure(status, answer, sent=3)
+    if expected is None:
+        assert failure is None
+    else:
+        assert failure is not None and failure.startswith(expected)

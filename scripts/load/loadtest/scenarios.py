@@ -33,6 +33,9 @@ ARTICLE_LOAD = Scenario(steps=(1, 5, 20), think_time=(1.0, 3.0))
 # Indexing jobs are few, each with many texts in every request: 8 jobs of 32 texts keep
 # 256 texts in flight, four times StepLoad's 64 one-text users.
 INDEXING_LOAD = Scenario(steps=(1, 2, 4, 8), think_time=(0.0, 0.0))
+# Searches, each a query embedded and its candidates reranked: a lone user shows the
+# two models' latency unloaded, 8 and 32 how their turns on the cores hold up.
+RETRIEVAL_LOAD = Scenario(steps=(1, 8, 32), think_time=(0.0, 0.0))
 
 
 def turn(

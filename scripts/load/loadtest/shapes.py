@@ -15,6 +15,7 @@ from scripts.load.loadtest.scenarios import (
     ARTICLE_LOAD,
     DEFAULT_STEP_SECONDS,
     INDEXING_LOAD,
+    RETRIEVAL_LOAD,
     STEP_LOAD,
     Scenario,
     turn,
@@ -55,4 +56,10 @@ class IndexingLoad(ScenarioShape):
     scenario = INDEXING_LOAD
 
 
-SHAPES: tuple[type[ScenarioShape], ...] = (StepLoad, ArticleLoad, IndexingLoad)
+class RetrievalLoad(ScenarioShape):
+    """1, 8 and 32 users on each route in turn, no think time: searches on two models (RetrievalUser)."""
+
+    scenario = RETRIEVAL_LOAD
+
+
+SHAPES: tuple[type[ScenarioShape], ...] = (StepLoad, ArticleLoad, IndexingLoad, RetrievalLoad)
