@@ -294,7 +294,7 @@ def reduced(network: Any, precision: str, layers: Sequence[str] = (), *, in_plac
     if precision in (FLOAT16, BFLOAT16):
         module.to(getattr(torch, precision))
         # The body runs reduced; what comes out of it, float32 (see the module's docstring).
-        module.register_forward_hook(_outputs_to_float32)
+        module.__class__ = _answering_in_float32(type(module))
         return module
     if precision == INT8:
         return quantize(module, layers)
@@ -321,7 +321,32 @@ def linear_layers(network: Any) -> list[str]:
     return [name for name, child in network.named_modules() if isinstance(child, torch.nn.Linear)]
 
 
-def _outputs_to_float32(module: Any, inputs: Any, output: Any) -> Any:
+# A reduced network's class, by its float32 class: made once each.
+_FLOAT32_ANSWERS: dict[type, type] = {}
+
+
+def _answering_in_float32(cls: type) -> type:
+    """``cls`` with a ``forward`` that casts what it returns to float32.
+
+    Not a forward hook: sentence-transformers (6.x) calls its transformer's
+    ``forward`` method itself, which skips hooks, and its pooling and Dense
+    modules would then get float16 (a Dense module in float32 refuses it).
+    The instance's class is swapped rather than ``forward`` set on the
+    instance, so that a deep copy of the network keeps calling its own.
+    """
+    made = _FLOAT32_ANSWERS.get(cls)
+    if made is None:
+
+        def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return _in_float32(super(made, self).forward(*args, **kwargs))  # type: ignore[misc]
+
+        made = _FLOAT32_ANSWERS[cls] = type(
+            cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__}
+        )
+    return made
+
+
+def _in_float32(output: Any) -> Any:
     import torch
 
     if isinstance(output, torch.Tensor):
@@ -332,7 +357,7 @@ def _outputs_to_float32(module: Any, inputs: Any, output: Any) -> Any:
                 output[key] = value.float()
         return output
     if isinstance(output, tuple):
-        return tuple(_outputs_to_float32(module, inputs, value) for value in output)
+        return tuple(_in_float32(value) for value in output)
     return output
 
 

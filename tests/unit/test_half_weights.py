@@ -132,3 +132,22 @@ def test_serve_precision_float32_serves_a_float16_directory_in_float32(
     assert floating_dtypes(served.network()) == {torch.float32}
     response = client.post("/predict/batched", json={"inputs": TEXTS})
     assert response.status_code == 200, response.json
+
+
+def test_float16_runs_a_directory_with_a_dense_module(float32_dirs: dict[str, Path]) -> None:
+    """The body in float16, its pooling and Dense module in float32: as on a GPU, run here on the CPU.
+
+    sentence-transformers calls its transformer's forward itself, so a forward hook
+    never cast the body's output: the Dense module, in float32, refused float16.
+    Speed is not measured here; the check runs the GPU path's code.
+    """
+    model = load_model(Settings(model=str(float32_dirs["embeddings"])), "cpu")
+    reference = outputs(model)
+    choice = p.check(model, "embeddings", "float16", p.Floor(min_cosine=0.5, median_cosine=0.5))
+    assert choice.precision == "float16", choice.fallback
+    reduced = outputs(model)
+    assert reduced.dtype == np.float32 and reduced.shape == reference.shape == (len(TEXTS), 8)
+    cosines = (
+        (reduced * reference).sum(1) / np.linalg.norm(reduced, axis=1) / np.linalg.norm(reference, axis=1)
+    )
+    assert cosines.min() > 0.99

@@ -176,7 +176,7 @@ def test_a_precision_under_the_floor_falls_back_to_float32_with_the_reason(
     assert model.network() is original  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("task", ["rerank", "classification", "fill-mask"])
+@pytest.mark.parametrize("task", ["embeddings", "rerank", "classification", "fill-mask"])
 def test_float16_runs_the_body_reduced_and_answers_in_float32(model_dirs: dict[str, Path], task: str) -> None:
     import torch
 
@@ -187,8 +187,14 @@ def test_float16_runs_the_body_reduced_and_answers_in_float32(model_dirs: dict[s
     assert set(choice.exactness) and all(np.isfinite(list(choice.exactness.values())))
     raw, _ = p.sample_items(task)
     outputs = model.predict([model.prepare(item) for item in raw[:8]])  # type: ignore[attr-defined]
-    if task == "rerank":  # scores computed in float32 whatever the network ran in
+    if task in ("embeddings", "rerank"):  # pooled and scored in float32 whatever the network ran in
         assert outputs.dtype == np.float32
+    # The body's own output is float32 too, also when it is called as sentence-transformers
+    # calls it (its forward method, which skips hooks).
+    network = model.network()  # type: ignore[attr-defined]
+    ids = torch.tensor([[101, 2023, 102]])
+    hidden = network.forward(input_ids=ids, attention_mask=torch.ones_like(ids), return_dict=True)
+    assert all(v.dtype == torch.float32 for v in hidden.values() if v.is_floating_point())
 
 
 def test_int8_on_real_embeddings_keeps_the_sensitive_layers_in_float32(model_dirs: dict[str, Path]) -> None:
