@@ -4,7 +4,7 @@ Every response carries ``X-Request-ID``: the one the client (or a proxy in
 front) sent when it is sane, else a new one, so a client's report, the proxy's
 log and this service's log name the same request. Each request writes one
 access line to the ``service.access`` logger: request id, method, path, route,
-status, latency and the size of the batch it ran in.
+model, status, latency and the size of the batch it ran in.
 
 This is WSGI middleware rather than Flask request hooks: a hook costs Flask's
 dispatch and each of its reads a context-local lookup, which on a free model
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 ACCESS_LINE = (
     '%(remote)s "%(method)s %(path)s" %(status)d %(duration_ms).2f ms '
-    "route=%(route)s batch_size=%(batch_size)s request_id=%(request_id)s"
+    "route=%(route)s model=%(model)s batch_size=%(batch_size)s request_id=%(request_id)s"
 )
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
@@ -147,11 +147,17 @@ def _write_access_line(environ: dict[str, Any], rid: str, route: str, status: in
         "method": environ.get("REQUEST_METHOD", "GET").upper(),
         "path": _printable("/" + get_path_info(environ).lstrip("/")),  # as request.path
         "route": route,
+        # The served name of the model it was routed to (None: none was, as for a probe).
+        "model": environ.get(MODEL_ENVIRON_KEY) or None,
         "status": status,
         "duration_ms": round(seconds * 1000, 3),
         "batch_size": batch_size,
     }
-    text = {**fields, "batch_size": "-" if batch_size is None else batch_size}
+    text = {
+        **fields,
+        "batch_size": "-" if batch_size is None else batch_size,
+        "model": fields["model"] or "-",
+    }
     # Made here rather than by access_log.info, which walks the stack for the
     # caller's file and line on every request: the line never shows them.
     record = access_log.makeRecord(

@@ -79,12 +79,20 @@ def test_one_access_line_per_request_with_id_route_status_latency_and_batch_size
     )
     assert fields["duration_ms"] > 0
     line = first.getMessage()
-    for part in ('"POST /predict/batched" 200', "route=/predict/batched", "batch_size=2", "request_id=req-7"):
+    parts = (
+        '"POST /predict/batched" 200',
+        "route=/predict/batched",
+        "model=mlp",
+        "batch_size=2",
+        "request_id=req-7",
+    )
+    for part in parts:
         assert part in line
 
     # A path that matched nothing is logged as one token: no forged second line.
     assert second.fields["route"] == "unmatched" and second.fields["batch_size"] is None  # type: ignore[attr-defined]
     assert "\n" not in second.getMessage() and "batch_size=-" in second.getMessage()
+    assert second.fields["model"] is None and "model=-" in second.getMessage()  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(
