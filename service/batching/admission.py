@@ -95,6 +95,8 @@ class ServiceMeter:
         self._recent = _Average(RECENT_BATCHES)
         self._served = 0
         self._last_done: float | None = None
+        # Seconds the batch thread waited for other models' turns since the last completion.
+        self._paused = 0.0
         self.outstanding = 0  # items accepted and not yet answered
 
     def submitted(self, items: int = 1) -> None:
@@ -108,10 +110,16 @@ class ServiceMeter:
         if not served:
             return
         since = arrived if self._last_done is None else max(arrived, self._last_done)
+        # Time the other models of the worker had is not this model's service time.
+        spent, self._paused = max(0.0, now - since - self._paused), 0.0
         # A large request that failed after some of its parts: only what ran took the time.
-        self._long.add(max(0.0, now - since), items if ran is None else ran)
+        self._long.add(spent, items if ran is None else ran)
         self._served += 1
         self._last_done = now if self._last_done is None else max(now, self._last_done)
+
+    def paused(self, seconds: float) -> None:
+        """The batch thread waited ``seconds`` for another model's turn (service.batching.model_time)."""
+        self._paused += seconds
 
     @property
     def seconds_per_item(self) -> float | None:

@@ -71,6 +71,9 @@ _STOP = object()
 EXPRESS_SHARE = 8
 # Requests the means of a request's items and of its body's bytes per item span, roughly.
 REQUEST_MEAN_WINDOW = 64
+# While models share the time, a call is cut to SHARED_CALL_S, but never below
+# this share of SERVE_MAX_BATCH_TOKENS (_call_tokens).
+MIN_CALL_SHARE = 8
 
 
 @dataclass(eq=False)
@@ -828,6 +831,7 @@ class Batcher:
             if not live:
                 return
         items = [item for part in live for item in part.items]
+        self._turn_waits_s = 0.0
         started = time.monotonic()
         outputs = self._call(items)
         if not isinstance(outputs, ServeError):
@@ -864,6 +868,9 @@ class Batcher:
         with self._model_time.turn(self._share) as waited:
             self._last_turn_wait_s = waited
             self._turn_waits_s += waited
+            with self._lock:
+                # The meter's rate is this model's own: sharing enters predictions once (_predict_locked).
+                self._meter.paused(waited)
             return self._call_model(items)
 
     def _call_model(self, items: list[Any]) -> Outputs | ServeError:
@@ -892,6 +899,7 @@ class Batcher:
         for part in live:
             part.pending.batch_size = len(batch.order)
         batch.plan(ranges)
+        self._turn_waits_s = 0.0
         started = time.monotonic()
         padded = real = calls = 0
         shed: set[int] = set()
@@ -912,16 +920,22 @@ class Batcher:
         notify(self._observer.on_sub_batches, real, padded, calls)
 
     def _call_tokens(self, estimate: Cost) -> int:
-        """A call's padded-token budget: SERVE_MAX_BATCH_TOKENS, and one slice of time when models share.
+        """A call's padded-token budget: SERVE_MAX_BATCH_TOKENS, or a slice while another model is active.
 
         The model time is handed over between calls, never during one: a call
         bounded to a slice keeps the other models' requests from waiting behind
         one long call of this one's.
         """
-        if self._model_time is None or estimate.per_token_s <= 0:
+        shared = self._model_time
+        if (
+            shared is None
+            or estimate.per_token_s <= 0
+            or not shared.others_active(self._share, time.monotonic())
+        ):
             return self._max_tokens
         sliced = (SHARED_CALL_S - estimate.overhead_s) / estimate.per_token_s
-        return max(1, min(self._max_tokens, int(sliced)))
+        # Never so small that the calls' overhead eats the time (a model slow to call at all).
+        return max(self._max_tokens // MIN_CALL_SHARE, min(self._max_tokens, int(sliced)))
 
     def _batch_ran(self, live: list[Part], items: int, started: float) -> None:
         """Record a batch that ran from ``started``: the model time gathering expects, and the metrics."""

@@ -338,7 +338,7 @@ def _answering_in_float32(cls: type) -> type:
     if made is None:
 
         def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return _in_float32(super(made, self).forward(*args, **kwargs))  # type: ignore[misc]
+            return _in_float32(cls.forward(self, *args, **kwargs))  # type: ignore[attr-defined]
 
         made = _FLOAT32_ANSWERS[cls] = type(
             cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__}

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from service.batching import model_time
 from service.batching.admission import ServiceMeter
 from service.batching.batcher import Batcher
 from service.batching.model_time import ModelTime
@@ -94,6 +95,52 @@ def test_the_time_is_shared_fairly_by_time_not_by_calls() -> None:
     assert 0.6 < used[embed] / used[rerank] < 1.6, used
 
 
+def test_calls_longer_than_the_credit_still_share_fairly() -> None:
+    # A model whose calls are not cut (no item sizes) runs 0.3 s calls beside one of
+    # 0.01 s: the busy short-call model keeps its count (it asks again at once, so it
+    # is not taken for one back from idle) and still gets about half the time.
+    shared = ModelTime()
+    short, long = shared.join(lambda: 0.0), shared.join(lambda: 0.0)
+    used = [0.0, 0.0]
+    until = time.monotonic() + 2.0
+    threads = [
+        threading.Thread(target=busy_model, args=(shared, short, 0.01, until, used)),
+        threading.Thread(target=busy_model, args=(shared, long, 0.3, until, used)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert 0.6 < used[short] / used[long] < 1.6, used
+
+
+def test_a_model_that_fails_while_asking_leaves_the_time_to_the_others() -> None:
+    shared = ModelTime()
+    a, b = shared.join(lambda: 0.0), shared.join(lambda: 0.0)
+    holding, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with shared.turn(a):
+            holding.set()
+            release.wait(10)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    holding.wait(10)
+    broken = shared.turn(b)
+    real_allocate = model_time.native.allocate_lock
+    model_time.native.allocate_lock = lambda: (_ for _ in ()).throw(RuntimeError("no lock"))  # type: ignore[assignment]
+    try:
+        with pytest.raises(RuntimeError), broken:
+            pass
+    finally:
+        model_time.native.allocate_lock = real_allocate  # type: ignore[assignment]
+    release.set()
+    t.join(10)
+    with shared.turn(a) as waited:  # b does not stand asking for ever
+        assert waited < 1.0
+
+
 def test_a_model_back_from_idle_banks_no_credit() -> None:
     # The embedder ran alone for a while; the reranker then starts. It must not
     # hold the time until its count catches up: they share from then on.
@@ -140,3 +187,13 @@ def test_a_prediction_counts_the_other_models_queued_work() -> None:
     lone._meter.batch_ran(0.08, 8)
     assert lone.predicted_wait(4) == pytest.approx(alone)
     gate.set()
+
+
+def test_the_meter_leaves_the_other_models_turns_out_of_its_rate() -> None:
+    # 1 s between arrival and answer, half of it waiting for another model's turn:
+    # this model's own rate is 0.05 s an item, and predictions add the sharing once.
+    meter = ServiceMeter(min_served=0)
+    meter.submitted(10)
+    meter.paused(0.5)
+    meter.completed(1.0, 0.0, True, 10)
+    assert meter.seconds_per_item == pytest.approx(0.05)
