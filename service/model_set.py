@@ -6,10 +6,16 @@
 # - The first model is the default: what a request that names none gets, and
 #   what the single-model attributes (model, batcher, precision) read, so that a
 #   service of one model behaves as it always did.
-# - The worker is ready when every model is: a worker that answered some
-#   models' requests and 503 to others' would make a client's retries land by
-#   chance. A model that fails to load stops the service (service.host.lifecycle)
-#   with its name in the reason.
+# - The models load one after another, in one thread: each measures its cost
+#   model and checks its precision on the worker's threads, which a neighbour
+#   loading beside it would take. The worker is ready when every model is: a
+#   worker that answered some models' requests and 503 to others' would make a
+#   client's retries land by chance. A model that fails to load stops the
+#   service (service.host.lifecycle) with its name in the reason; those after
+#   it are not loaded.
+# - A batch-thread fault in any model fails every model's queued requests with
+#   503 and replaces the worker: a stalled model may hold the model time, which
+#   the others would wait on for ever.
 # - pick() resolves a request's model name. Unnamed entries answer to the name
 #   their model gives itself, known once it has loaded; two models answering to
 #   one name are a load error.
@@ -24,10 +30,11 @@ from typing import Any
 
 from flask import Flask
 
+from service.batching import native
 from service.batching.batcher import Batcher, BatchObserver
 from service.batching.model_time import ModelTime
 from service.budget import Budget, body_budget_bytes
-from service.errors import NotReady, ServeError
+from service.errors import BadRequest, NotReady, ServeError
 from service.models import Model
 from service.models.base import task_of
 from service.runtime import EXTENSION, LOAD_FAILED, ModelRuntime
@@ -92,11 +99,25 @@ class ModelSet:
     # -- life ---------------------------------------------------------------------
 
     def start(self) -> None:
+        if self.single:
+            self.default.start()
+            return
         for runtime in self.runtimes:
-            runtime.start()
+            runtime.start(load=False)
+        native.start_thread(self._load_in_turn)
+
+    def _load_in_turn(self) -> None:
+        failed: str | None = None
+        for runtime in self.runtimes:
+            if failed is not None:
+                runtime.skip(f"not loaded: model {failed!r} failed to load first")
+                continue
+            runtime.load()
+            if runtime.load_error is not None:
+                failed = runtime.label
 
     def wait_loaded(self, timeout: float) -> bool:
-        """Block until every model has loaded or failed to, for at most ``timeout`` seconds."""
+        """Block until every model has loaded or one failed to, for at most ``timeout`` seconds."""
         until = time.monotonic() + timeout
         for runtime in self.runtimes:
             if not runtime.wait_loaded(max(0.0, until - time.monotonic())):
@@ -109,6 +130,8 @@ class ModelSet:
     def _index_names(self) -> None:
         if self._by_name or self._names_error is not None:
             return
+        if any(runtime.model is None for runtime in self.runtimes):
+            return  # an unnamed model's name is known once it has loaded
         by_name: dict[str, ModelRuntime] = {}
         for runtime in self.runtimes:
             for name in runtime.names:
@@ -141,7 +164,21 @@ class ModelSet:
     def on_fault(self, handler: Callable[[str], None] | None) -> None:
         # A fault of any model's batch thread replaces the worker, with all its models.
         for runtime in self.runtimes:
-            runtime.on_fault = handler
+            runtime.on_fault = None if handler is None else self._fault_handler(runtime, handler)
+
+    def _fault_handler(self, faulty: ModelRuntime, handler: Callable[[str], None]) -> Callable[[str], None]:
+        def fault(reason: str) -> None:
+            # The faulty model's own requests have had their 503 (ModelRuntime._fault).
+            for runtime in self.runtimes:
+                if runtime is not faulty and runtime.batcher is not None:
+                    error = NotReady(
+                        f"model {faulty.label!r} of this worker failed ({reason}); retry",
+                        reason="batch_thread_failed",
+                    )
+                    runtime.batcher.abandon(error)
+            handler(reason)
+
+        return fault
 
     def readiness(self) -> str | None:
         """None when every model is ready to serve, else why not (fit for a client to read)."""
@@ -163,23 +200,26 @@ class ModelSet:
             raise NotReady(f"not ready: {reason}", retry_after_s=5)
 
     def stop(self, timeout: float | None = None) -> bool:
-        """Drain every model's batcher (within ``timeout`` in all)."""
+        """Drain every model's batcher (within ``timeout`` in all): all refuse new work first."""
+        if self.failure is not None:
+            timeout = 0  # a faulty thread may never end, and may hold the others' model time
+        for runtime in self.runtimes:
+            runtime.stop(0)
         until = None if timeout is None else time.monotonic() + timeout
         drained = True
         for runtime in self.runtimes:
             left = None if until is None else max(0.0, until - time.monotonic())
-            drained = runtime.stop(left) and drained
+            drained = (runtime.batcher is None or runtime.batcher.wait_exit(left)) and drained
         return drained
 
     # -- picking a request's model --------------------------------------------------
 
     def pick(self, name: Any) -> ModelRuntime:
         """The model a request names (None: the default); UnknownModel (404) naming those served."""
-        if name is None or (self.single and name == self.default.label):
+        if name is None or (self.single and name == self.default.served_name):
             return self.default
         if not isinstance(name, str):
-            served = self.served()
-            raise UnknownModel(f'"model" must be a string naming a model; {served}', name, served)
+            raise BadRequest(f'"model" must be a string naming a model; {self.served()}')
         self._index_names()
         runtime = self._by_name.get(name)
         if runtime is None:

@@ -1,11 +1,13 @@
 # design:
-# - ModelRuntime is the worker's Flask extension: it owns the model, the
-#   Batcher and its Watchdog. start() runs in the worker process (never in the
+# - ModelRuntime serves one model: it owns the model, the Batcher and its
+#   Watchdog; the worker's Flask extension is the set of them all
+#   (service.model_set). start() runs in the worker process (never in the
 #   gunicorn master); it sets torch's thread counts and, on a GPU, the worker's
-#   share of its memory, then loads the model in a new OS thread so that
-#   create_app() returns at once, and starts the batch thread and the watchdog
-#   once the model is ready. wait_loaded() lets a host hold back traffic until
-#   then (service.host.lifecycle does, under gunicorn).
+#   share of its memory, then loads the model in a new OS thread (or lets the
+#   model set load its models one after another in one) so that create_app()
+#   returns at once, and starts the batch thread and the watchdog once the
+#   model is ready. wait_loaded() lets a host hold back traffic until then
+#   (service.host.lifecycle does, under gunicorn).
 # - A model that fails to load leaves ``load_error`` set for good. Under
 #   gunicorn the worker then exits with its boot error and the master stops
 #   (service.host.lifecycle); without a host the app stays up and answers 503. The
@@ -28,8 +30,6 @@ import random
 import time
 from collections.abc import Callable
 from typing import Any
-
-from flask import Flask
 
 from service.batching import native
 from service.batching.admission import AdmissionRule
@@ -97,9 +97,6 @@ class ModelRuntime:
         self._loading = native.allocate_lock()
         self._loading.acquire()  # released once the model has loaded or failed to
 
-    def init_app(self, app: Flask) -> None:
-        app.extensions[EXTENSION] = self
-
     @property
     def names(self) -> tuple[str, ...]:
         """What clients may call this model: its served name first; empty until an unnamed one loads."""
@@ -108,11 +105,17 @@ class ModelRuntime:
         return (self.model.name,) if self.model is not None else ()
 
     @property
+    def served_name(self) -> str | None:
+        """The name answers and metric labels carry; None until an unnamed model has loaded."""
+        return self.entry.name or (self.model.name if self.model is not None else None)
+
+    @property
     def label(self) -> str:
         """The model as the log and errors name it: its served name, else its spec."""
-        return self.entry.name or (self.model.name if self.model is not None else self.settings.model)
+        return self.served_name or self.settings.model
 
-    def start(self) -> None:
+    def start(self, *, load: bool = True) -> None:
+        """Set up torch and the device, and load the model in a thread of its own (``load``) or not yet."""
         configure_torch(self.settings.torch_threads)
         try:
             self.device = select_device(self.settings.worker_device)
@@ -123,7 +126,8 @@ class ModelRuntime:
             self.load_error = f"cannot use the planned device: {exc}"
             self._loading.release()  # nothing will load: wait_loaded() must not wait
             return
-        native.start_thread(self._load)
+        if load:
+            native.start_thread(self.load)
 
     def wait_loaded(self, timeout: float) -> bool:
         """Block until the model has loaded or failed to, for at most ``timeout`` seconds."""
@@ -132,10 +136,19 @@ class ModelRuntime:
             return True
         return False
 
-    def _load(self) -> None:
+    def load(self) -> None:
+        """Load the model, in the calling thread; start() calls it in a thread of its own."""
+        if self.load_error is not None:
+            return  # the device could not be used (start said why)
         try:
             self._load_model()
         finally:
+            self._loading.release()
+
+    def skip(self, reason: str) -> None:
+        """Give up on loading (another model of the worker failed): never served."""
+        if self.load_error is None:
+            self.load_error = reason
             self._loading.release()
 
     def _load_model(self) -> None:
@@ -151,6 +164,7 @@ class ModelRuntime:
                 model = load_model(self.settings, self.device)
                 # Before the cost model is measured: it is the reduced network that runs.
                 self.precision = settle(model, task_of(model), self.settings, self.device)
+            own_name = shared.own_name if shared is not None else model.name
             if self.entry.name is not None:
                 model.name = self.entry.name  # what answers, /info and the metrics call it
         except Exception as exc:
@@ -163,7 +177,7 @@ class ModelRuntime:
         )
         # First: an observer made without a name takes the model's from it (Metrics.for_model).
         precision = self.precision.precision if self.precision is not None else "float32"
-        notify(self.observer.on_model_info, model.name, task_of(model), precision)
+        notify(self.observer.on_model_info, own_name, task_of(model), precision)
         batcher.start()
         self.model, self.batcher = model, batcher
         notify(self.observer.on_model_loaded, model.device, self.load_seconds)

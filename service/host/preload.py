@@ -62,6 +62,8 @@ class Preloaded:
     model: Model
     precision: Outcome
     seconds: float
+    # The name the model gives itself, before its entry's served name replaced it.
+    own_name: str = ""
 
 
 # What the master built, by SERVE_MODEL entry (each model of the list has its own).
@@ -102,13 +104,14 @@ def build(settings: Settings, check_env: Mapping[str, str | None]) -> list[Prelo
         own = settings.for_model(entry)
         try:
             model = load_model(own, "cpu", may_run=False)
+            own_name = model.name
             if entry.name is not None:
                 model.name = entry.name
             precision = settle_before_fork(model, task_of(model), own, check_env)
         except Exception as exc:
             exc.failed_model = entry.name or entry.spec  # type: ignore[attr-defined]
             raise
-        _held[entry] = Preloaded(entry.spec, model, precision, time.monotonic() - started)
+        _held[entry] = Preloaded(entry.spec, model, precision, time.monotonic() - started, own_name)
     freeze()
     return list(_held.values())
 

@@ -124,7 +124,7 @@ class Door:
             # Demand unmet, for the pace (Batcher.submit says which counts).
             batcher.refused(items, waited if environ.get(FOLLOW_UP_ENVIRON_KEY, True) else None)
         # A lone model's refusals are its own; with several, the body naming one is still unread.
-        model = self._runtime.label if self._single else NO_MODEL
+        model = (self._runtime.served_name if self._single else None) or NO_MODEL
         environ[MODEL_ENVIRON_KEY] = model
         self._metrics.count_error(Overloaded(refusal.message, reason="over_budget"), model)
         body = orjson.dumps({"error": refusal.message})

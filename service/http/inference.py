@@ -34,7 +34,7 @@ from werkzeug.wsgi import get_input_stream
 
 from service.batching.batcher import Batcher
 from service.batching.waiting import wait_result
-from service.errors import BadRequest, NotReady, Overloaded, PayloadTooLarge
+from service.errors import BadRequest, Overloaded, PayloadTooLarge
 from service.http.access import note_batch_size
 from service.http.arrival import (
     ARRIVAL_ENVIRON_KEY,
@@ -160,75 +160,102 @@ def serve_batched(models: ModelSet, environ: dict[str, Any], parse: Parser) -> B
     arrived = environ.get(ARRIVAL_ENVIRON_KEY)
     if not isinstance(arrived, float):
         arrived = time.monotonic()
-    settings = models.settings
-    until = deadline(arrived, settings.request_timeout_ms, environ)
+    until = deadline(arrived, models.settings.request_timeout_ms, environ)
+    if models.single:
+        rt = models.default
+        if rt.served_name is not None:
+            environ[MODEL_ENVIRON_KEY] = rt.served_name
+        model, batcher = rt.require_ready()
+        # The lone model's batcher counts the request from before its body is read:
+        # a request being read is one that gathering may wait for.
+        with batcher.in_flight():
+            choose = _lone(models, model)
+            items, size = _read_items(models, environ, parse, choose, until=until, arrived=arrived)
+            return _run(model, batcher, items, environ, body_bytes=size, until=until, arrived=arrived)
     models.require_ready()
     with contextlib.ExitStack() as stack:
-        # A lone model's batcher counts the request from before its body is read
-        # (a request being read is one gathering may wait for); with several, the
-        # body says whose it is.
-        if models.single:
-            stack.enter_context(_batcher(models.default).in_flight())
-        choose, chosen = _chooser(models, environ, None if models.single else stack)
-        room = take_body_room(models, environ, min(until, arrived + settings.latency_budget_s))
-        try:
-            body = read_body(environ, settings.max_body_bytes)
-            items = parse(body, choose)
-            body_bytes = len(body)
-            del body  # the items are what the request holds from here
-        finally:
-            if room:
-                models.bodies.give_back(room)
-        rt = chosen[-1] if chosen else models.default
-        batcher = _batcher(rt)
-        returning = environ.get(RETURNING_ENVIRON_KEY)
-        pending = batcher.submit(
-            items,
-            until,
-            arrived,
-            returning=returning == LET_IN,
-            resend=returning is not None,
-            first_on_connection=not environ.get(FOLLOW_UP_ENVIRON_KEY, True),
-            queue_wait=_queue_wait(environ, arrived),
-            body_bytes=body_bytes,
-        )
-        outputs = wait_result(pending.future, until - time.monotonic(), client_gone(environ))
+        # With several, the body says whose the request is: counted from then.
+        choose, chosen = _chooser(models, environ, stack)
+        items, size = _read_items(models, environ, parse, choose, until=until, arrived=arrived)
+        rt = chosen[0] if chosen else models.default
+        model, batcher = rt.require_ready()
+        return _run(model, batcher, items, environ, body_bytes=size, until=until, arrived=arrived)
+
+
+def _read_items(
+    models: ModelSet, environ: dict[str, Any], parse: Parser, choose: Choose, *, until: float, arrived: float
+) -> tuple[list[Any], int]:
+    """The request's prepared items, and its body's size; its body held within the worker's bound."""
+    settings = models.settings
+    room = take_body_room(models, environ, min(until, arrived + settings.latency_budget_s))
+    try:
+        body = read_body(environ, settings.max_body_bytes)
+        return parse(body, choose), len(body)
+    finally:
+        if room:
+            models.bodies.give_back(room)
+
+
+def _run(
+    model: Model,
+    batcher: Batcher,
+    items: list[Any],
+    environ: dict[str, Any],
+    *,
+    body_bytes: int,
+    until: float,
+    arrived: float,
+) -> Batched:
+    """Queue the request's items and wait for their answer."""
+    returning = environ.get(RETURNING_ENVIRON_KEY)
+    pending = batcher.submit(
+        items,
+        until,
+        arrived,
+        returning=returning == LET_IN,
+        resend=returning is not None,
+        first_on_connection=not environ.get(FOLLOW_UP_ENVIRON_KEY, True),
+        queue_wait=_queue_wait(environ, arrived),
+        body_bytes=body_bytes,
+    )
+    outputs = wait_result(pending.future, until - time.monotonic(), client_gone(environ))
     note_batch_size(environ, pending.batch_size)
-    return Batched(_model(rt), outputs, pending.batch_size)
+    return Batched(model, outputs, pending.batch_size)
+
+
+def _lone(models: ModelSet, model: Model) -> Choose:
+    """A lone model's chooser: its own name (or none) at once; any other is the set's to refuse."""
+
+    def choose(name: Any) -> Model:
+        if name is None or name == model.name:
+            return model
+        models.pick(name)  # another name of it (an alias), or 404 naming it
+        return model
+
+    return choose
 
 
 def _chooser(
-    models: ModelSet, environ: dict[str, Any], stack: contextlib.ExitStack | None
+    models: ModelSet, environ: dict[str, Any], stack: contextlib.ExitStack
 ) -> tuple[Choose, list[ModelRuntime]]:
     """The parser's way to name its model, and the list the choice lands in.
 
-    With ``stack``, the chosen model's batcher counts the request in flight from then.
+    The chosen model's batcher counts the request in flight from then. A parser
+    that named a model twice gets its first choice again.
     """
     chosen: list[ModelRuntime] = []
 
     def choose(name: Any) -> Model:
+        if chosen:
+            return chosen[0].require_ready()[0]
         rt = models.pick(name)
         environ[MODEL_ENVIRON_KEY] = rt.label
-        if stack is not None and not chosen:
-            stack.enter_context(_batcher(rt).in_flight())
+        model, batcher = rt.require_ready()
+        stack.enter_context(batcher.in_flight())
         chosen.append(rt)
-        return _model(rt)
+        return model
 
     return choose, chosen
-
-
-def _model(rt: ModelRuntime) -> Model:
-    model = rt.model
-    if model is None:  # ready() said every model was: only a fault since could undo it
-        raise NotReady(f"not ready: {rt.readiness()}", retry_after_s=5)
-    return model
-
-
-def _batcher(rt: ModelRuntime) -> Batcher:
-    batcher = rt.batcher
-    if batcher is None:
-        raise NotReady(f"not ready: {rt.readiness()}", retry_after_s=5)
-    return batcher
 
 
 def _queue_wait(environ: dict[str, Any], arrived: float) -> float | None:
@@ -262,17 +289,24 @@ def client_gone(environ: dict[str, Any]) -> Callable[[], bool] | None:
 def serve_naive(models: ModelSet, environ: dict[str, Any], parse: Parser) -> Batched:
     """Parse the request's body and run its items in this thread (the comparison route)."""
     models.require_ready()
-    choose, chosen = _chooser(models, environ, None)
+    if models.single:
+        rt = models.default
+        choose = _lone(models, rt.require_ready()[0])
+        if rt.served_name is not None:
+            environ[MODEL_ENVIRON_KEY] = rt.served_name
+        chosen = [rt]
+    else:
+        choose, chosen = _chooser(models, environ, contextlib.ExitStack())
     room = take_body_room(models, environ, time.monotonic() + models.settings.request_timeout_ms / 1000)
     try:
         items = parse(read_body(environ, models.settings.max_body_bytes), choose)
     finally:
         if room:
             models.bodies.give_back(room)
-    rt = chosen[-1] if chosen else models.default
+    rt = chosen[0] if chosen else models.default
     outputs = rt.predict_naive(items)
     note_batch_size(environ, len(items))
-    return Batched(_model(rt), outputs, len(items))
+    return Batched(rt.require_ready()[0], outputs, len(items))
 
 
 @dataclass(frozen=True)

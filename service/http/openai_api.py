@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import base64
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 from flask import Blueprint, Flask, Response, current_app, request
@@ -76,13 +76,15 @@ def list_models() -> Response:
 def get_model(name: str) -> Response:
     models = runtime()
     models.require_ready()
-    return json_response(_describe(_pick(models, name)))
+    return json_response(_describe(_chosen(models.pick, name)))
 
 
 def answer_embeddings(rt: ModelSet, environ: dict[str, Any], args: Mapping[str, Any]) -> Answer:
     asked: dict[str, Any] = {}
 
     def parse(body: bytes, choose: Choose) -> list[object]:
+        if rt.single:  # the task first, as ever: a lone reranker says so before anything else
+            _check_embedding_model(choose(None))
         require_json(environ.get("CONTENT_TYPE"))
         document = load_json(body, '{"input": "text", "model": "' + rt.default.label + '"}')
         if not isinstance(document, dict):
@@ -160,25 +162,16 @@ def _texts(given: Any) -> list[str]:
     return texts
 
 
-def _chosen(choose: Choose, name: str) -> Model:
+T = TypeVar("T")
+
+
+def _chosen(choose: Callable[[str], T], name: str) -> T:
+    """``choose(name)``, an unknown name answered in OpenAI's own words (the SDK's NotFoundError)."""
     try:
         return choose(name)
     except UnknownModel as exc:
-        raise _not_found(exc) from None
-
-
-def _pick(models: ModelSet, name: str) -> ModelRuntime:
-    try:
-        return models.pick(name)
-    except UnknownModel as exc:
-        raise _not_found(exc) from None
-
-
-def _not_found(exc: UnknownModel) -> OpenAIError:
-    # OpenAI's own words for it, which the SDK's NotFoundError carries.
-    return OpenAIError(
-        404, f"The model {exc.name!r} does not exist; {exc.served}", param="model", code="model_not_found"
-    )
+        message = f"The model {exc.name!r} does not exist; {exc.served}"
+        raise OpenAIError(404, message, param="model", code="model_not_found") from None
 
 
 def _check_embedding_model(model: Model) -> None:

@@ -81,6 +81,8 @@ def answer_rerank(
     asked: list[RerankRequest] = []
 
     def parse(body: bytes, choose: Choose) -> list[Any]:
+        if rt.single:  # the task first, as ever: a lone embedder says so before anything else
+            check_rerank_model(choose(None))
         require_json(environ.get("CONTENT_TYPE"))
         document = load_json(body, EXAMPLE)
         if not isinstance(document, dict):
@@ -138,10 +140,8 @@ def check_rerank_model(model: Model) -> None:
         )
 
 
-def parse_request(document: Any, model: Model, max_items: int) -> RerankRequest:
+def parse_request(document: dict[str, Any], model: Model, max_items: int) -> RerankRequest:
     """The checked request, its documents prepared as (query, document) items; BadField names the field."""
-    if not isinstance(document, dict):
-        raise BadField(f"the body must be a JSON object such as {EXAMPLE}, got {json_type(document)}")
     for field, allowed in _UNSUPPORTED.items():
         if document.get(field) is not allowed:
             raise BadField(f'"{field}" is not supported; leave it out')

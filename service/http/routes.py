@@ -80,6 +80,9 @@ def answer_predict(
 
     def parse(body: bytes, choose: Choose) -> list[object]:
         content_type = environ.get("CONTENT_TYPE")
+        if rt.single:
+            # A lone model's /predict always ignored a "model" field: clients that send one keep working.
+            return parse_inputs(body, content_type, lambda _: choose(None), rt.settings.max_items_per_request)
         return parse_inputs(body, content_type, choose, rt.settings.max_items_per_request, named)
 
     done = serve_naive(rt, environ, parse) if naive else serve_batched(rt, environ, parse)

@@ -17,6 +17,7 @@ from flask import Blueprint, Response, request
 from service import __version__
 from service.errors import ServeError
 from service.http import v2_codec
+from service.http.arrival import MODEL_ENVIRON_KEY
 from service.http.inference import (
     Answer,
     Choose,
@@ -118,7 +119,11 @@ def infer(name: str, version: str | None = None) -> Response:
 
 def _served(name: str, version: str | None) -> Model:
     """The model ``name`` (and ``version``) names, once loaded; 404 if none, 503 while it loads."""
-    model, _ = runtime().pick(name).require_ready()
+    models = runtime()
+    models.require_ready()  # 503 while loading: an unnamed model's name is known once loaded
+    served = models.pick(name)
+    model, _ = served.require_ready()
+    request.environ[MODEL_ENVIRON_KEY] = served.label
     _check_version(name, version)
     return model
 

@@ -261,7 +261,14 @@ def _check_weights(
     warnings: list[str],
 ) -> None:
     """Does each worker's share hold its copies of the weights, at the precision each runs in on a GPU?"""
-    known = [w for w in ([weights] if isinstance(weights, Weights) else weights or ()) if w is not None]
+    listed = [weights] if isinstance(weights, Weights) else list(weights or ())
+    known = [w for w in listed if w is not None]
+    if len(listed) > 1 and len(known) < len(listed):
+        # A factory's weights are known only once it is built, in the worker.
+        warnings.append(
+            f"the weights of {len(listed) - len(known)} of the {len(listed)} models are unknown until they "
+            "load (a factory): each worker's GPU share is checked against the others' alone"
+        )
     if not known:
         return
     requested = settings.precision

@@ -322,7 +322,7 @@ def test_a_refusal_is_held_as_flask_holds_it(apps: dict[str, Flask], monkeypatch
     def loading() -> Any:
         raise NotReady("the model is still loading", retry_after_s=2)
 
-    monkeypatch.setattr(runtime, "require_ready", loading)
+    monkeypatch.setattr(runtime.default, "require_ready", loading)  # the lone model's
     body = _body({"inputs": ["x"]})
     direct = _both_ways(apps["open"], "/predict/batched", JSON, body)
     status, headers, _, held = direct

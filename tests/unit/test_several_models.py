@@ -6,6 +6,8 @@ from real gunicorn with the SDKs.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -60,8 +62,6 @@ def test_an_unknown_name_is_404_naming_the_models_served(several: FlaskClient) -
     error = several.post("/v1/embeddings", json={"model": "gpt-4", "input": "x"}).json["error"]  # type: ignore[index]
     assert error["code"] == "model_not_found" and error["param"] == "model"
     assert error["message"].startswith("The model 'gpt-4' does not exist; this service serves")
-    bad = several.post("/predict", json={"model": 7, "inputs": ["x"]})
-    assert bad.status_code == 404 and '"model" must be a string' in bad.json["error"]  # type: ignore[index]
 
 
 def test_a_route_that_does_not_fit_the_named_model_says_its_task(several: FlaskClient) -> None:
@@ -127,7 +127,8 @@ def test_one_model_takes_no_turns_and_keeps_its_own_name(
     assert models.single and models.model_time is None and models.default.model_time is None
     assert body(client.post("/predict", json={"inputs": ["x"]}))["model"] == "vectors"
     assert body(client.post("/predict", json={"model": "vectors", "inputs": ["x"]}))["model"] == "vectors"
-    assert client.post("/predict", json={"model": "other", "inputs": ["x"]}).status_code == 404
+    # The protocols that always named their model still refuse another name.
+    assert client.post("/v1/embeddings", json={"model": "other", "input": "x"}).status_code == 404
 
 
 def test_a_named_lone_model_answers_to_its_name(make_client: Callable[[Settings], FlaskClient]) -> None:
@@ -154,3 +155,59 @@ def test_a_model_that_fails_to_load_is_named(make_client: Callable[[Settings], F
     assert models.load_error is not None and models.load_error.startswith("model 'broken' failed to load")
     assert client.get("/readyz").status_code == 503
     assert client.post("/predict", json={"inputs": ["x"]}).status_code == 503
+
+
+def test_one_lone_models_predict_ignores_a_model_field_as_it_always_did(
+    make_client: Callable[[Settings], FlaskClient],
+) -> None:
+    client = make_client(Settings(model=VECTORS))
+    # Clients that send a "model" of their own to /predict keep working with one model.
+    assert body(client.post("/predict", json={"model": "other", "inputs": ["x"]}))["model"] == "vectors"
+    assert body(client.post("/predict?model=other", json={"inputs": ["x"]}))["model"] == "vectors"
+    several = make_client(Settings(model=f"a={VECTORS},b={ECHO}"))
+    wrong = several.post("/predict", json={"model": 7, "inputs": ["x"]})
+    assert wrong.status_code == 400 and '"model" must be a string' in wrong.json["error"]  # type: ignore[index]
+
+
+def test_a_stalled_model_fails_the_other_models_requests_and_replaces_the_worker(
+    make_client: Callable[[Settings], FlaskClient],
+) -> None:
+    # The stalled model holds the worker's model time: the other model's requests,
+    # waiting for their turn, get 503 at once rather than wait for ever.
+    settings = Settings(
+        model=f"script=tests.support.models:scripted,echo={ECHO}",
+        request_timeout_ms=8000,
+        stall_timeout_ms=1000,
+    )
+    client = make_client(settings)
+    models = client.application.extensions[EXTENSION]
+    faults: list[str] = []
+    reported = threading.Event()
+    models.on_fault = lambda reason: (faults.append(reason), reported.set())
+    answers: dict[str, int] = {}
+
+    def send(name: str, text: str) -> None:
+        answers[name] = client.post("/predict", json={"model": name, "inputs": [text]}).status_code
+
+    wedged = threading.Thread(target=send, args=("script", "wedge"))
+    wedged.start()
+    time.sleep(0.3)  # the wedge holds the time now
+    waiting = threading.Thread(target=send, args=("echo", "waits for its turn"))
+    waiting.start()
+    assert reported.wait(10)
+    waiting.join(10)
+    assert answers["echo"] == 503 and faults and "stuck" in faults[0]
+    started = time.monotonic()
+    assert models.stop(timeout=30) is False and time.monotonic() - started < 5  # no wait on a faulty worker
+    models.runtimes[0].model._inner.unwedge()  # type: ignore[union-attr]
+    wedged.join(10)
+
+
+def test_the_models_load_one_after_another_and_a_failure_skips_the_rest(
+    make_client: Callable[[Settings], FlaskClient],
+) -> None:
+    client = make_client(Settings(model=f"broken=tests.support.models:broken_load,echo={ECHO}"))
+    models = client.application.extensions[EXTENSION]
+    assert models.load_error is not None and models.load_error.startswith("model 'broken' failed to load")
+    assert models.runtimes[1].model is None
+    assert models.runtimes[1].load_error == "not loaded: model 'broken' failed to load first"

@@ -387,6 +387,7 @@ def test_a_gpu_plan_sizes_each_workers_share_for_every_model_it_holds() -> None:
     decided = {d.what: d for d in both.decisions}["weights per worker"]
     assert decided.value == "1050 MiB at float16/float32"  # 650 at float16 + 400 at float32
     assert "of each of the 2 models" in decided.why
+    assert any("the weights of 1 of the 3 models are unknown" in w for w in both.warnings)
     # Two models that fit alone may not fit together.
     warned = plan(Settings(workers_per_device=2), inventory, [Weights(5_000, 4, True)] * 2).warnings
     assert any("cannot hold the models' 5000 MiB of weights" in w for w in warned)
