@@ -347,8 +347,12 @@ def test_the_standard_protocols_pass_through_nginx(proxy: Proxy) -> None:
     expected = requests.post(proxy.url + "/predict", json={"inputs": [item()]}, timeout=30).json()["outputs"]
     np.testing.assert_allclose(outputs, expected[0], atol=1e-5)
     assert requests.get(proxy.url + "/v2/health/ready", timeout=10).json() == {"ready": True}
-    # The embeddings API: the mlp takes no text, and the service says so in OpenAI's shape.
-    refused = requests.get(proxy.url + "/v1/models", timeout=10)
+    # The embeddings API: /v1/models lists the mlp with its task; it takes no text, and the
+    # service says so in OpenAI's shape.
+    listed = requests.get(proxy.url + "/v1/models", timeout=10).json()["data"]
+    assert [(m["id"], m["task"]) for m in listed] == [("mlp", "generic")]
+    body = {"model": "mlp", "input": "x"}
+    refused = requests.post(proxy.url + "/v1/embeddings", json=body, timeout=10)
     assert refused.status_code == 404
     assert refused.json()["error"]["code"] == "model_not_found"
 
