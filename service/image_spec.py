@@ -30,6 +30,8 @@ PROGRAM_FILES = ("model.pt", "model.pt2", "model.ts")
 CHANNELS = {"RGB": 3, "BGR": 3, "L": 1}
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "lanczos")
 OUTPUTS = ("top_k", "raw")
+# SERVE_IMAGE_LAYOUT: the memory layout an image program runs in on a CPU (service.models.layout).
+LAYOUTS = ("auto", "contiguous", "channels_last")
 # Largest side a declaration may ask for: far above any vision model's input.
 MAX_SIDE = 8192
 KEYS = ("resize", "center_crop", "interpolation", "mean", "std", "channels", "outputs", "top_k", "softmax")

@@ -184,6 +184,9 @@ class ModelRuntime:
         if self.precision is not None:
             notify(self.observer.on_precision, self.precision.exactness)
             log.info("model %s: %s", model.name, self.precision.summary())
+        layout = getattr(model, "layout", None)  # an image program's (service.models.layout)
+        if layout is not None:
+            log.info("model %s: %s", model.name, layout.summary())
         Watchdog(batcher, limit_s=self.settings.stall_limit_s, on_fault=self._fault).start()
         task, seconds = task_of(model), self.load_seconds
         log.info("model %s (%s) loaded on %s in %.1f s", model.name, task, model.device, seconds)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from service.errors import SettingsError
-from service.image_spec import PREPROCESS_FILE
+from service.image_spec import LAYOUTS, PREPROCESS_FILE
 from service.model_list import ModelEntry, parse_models
 from service.precision_spec import PRECISIONS
 
@@ -236,6 +236,9 @@ class Settings:
     # Width x height an image model decodes at most, read from the file's header
     # before any pixel is: 4096 x 4096, 48 MiB of RGB per image being decoded.
     max_image_pixels: int = 4096 * 4096
+    # The memory layout an image program runs in on a CPU: measured at load
+    # ("auto"), or as named (service.models.layout).
+    image_layout: str = "auto"
     max_queue: int | None = None
     # How long a refused body still arriving is read before the connection
     # closes, so that its client sees the refusal (service.http.linger); 0: close at once.
@@ -395,6 +398,7 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "max_documents_per_request": ("SERVE_MAX_DOCUMENTS_PER_REQUEST", _Integer(1, 65_536)),
     "max_body_bytes": ("SERVE_MAX_BODY_BYTES", _Integer(1024, _MAX_BODY_BYTES)),
     "max_image_pixels": ("SERVE_MAX_IMAGE_PIXELS", _Integer(1, PILLOW_MAX_IMAGE_PIXELS)),
+    "image_layout": ("SERVE_IMAGE_LAYOUT", _Choice(LAYOUTS)),
     "max_queue": ("SERVE_MAX_QUEUE", _Integer(1, 1_000_000)),
     "linger_ms": ("SERVE_LINGER_MS", _Integer(0, 60_000)),
     "request_timeout_ms": ("SERVE_REQUEST_TIMEOUT_MS", _Integer(1, 3_600_000)),

@@ -31,7 +31,7 @@ def load_model(settings: Settings, device: str, *, may_run: bool = True) -> Mode
     if kind == "directory":
         from service.models.registry import load_directory
 
-        return load_directory(Path(spec), device, settings.max_image_pixels)
+        return load_directory(Path(spec), device, settings.max_image_pixels, settings.image_layout)
     # The text kinds convert weights saved in float16 or bfloat16 to float32
     # (service.models.hf.in_float32). A program (a file, or an image directory's)
     # and a factory's model keep the dtypes they were built with: a traced graph

@@ -81,13 +81,17 @@ def task_of(model: Model) -> str:
 
 def describe(model: Model) -> dict[str, Any]:
     """What ``GET /info`` says about the model."""
-    return {
+    described = {
         "name": model.name,
         "task": task_of(model),
         "item_kind": model.item_kind,
         "item_shape": list(model.item_shape) if model.item_shape is not None else None,
         "device": model.device,
     }
+    layout = getattr(model, "layout", None)  # an image program's memory layout (service.models.layout)
+    if layout is not None:
+        described["layout"] = layout.describe()
+    return described
 
 
 SAMPLE_SENTENCE = "The quick brown fox jumps over the lazy dog near the quiet river bank."

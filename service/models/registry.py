@@ -20,13 +20,13 @@ KINDS = {
 }
 
 
-def load_directory(path: Path, device: str, max_image_pixels: int) -> Model:
+def load_directory(path: Path, device: str, max_image_pixels: int, image_layout: str = "auto") -> Model:
     """The model a directory holds, served by the kind its files call for."""
     task = directory_task(path)
     if task == "image":
         from service.models.image import ImageModel
 
-        return ImageModel(path, device, max_image_pixels)
+        return ImageModel(path, device, max_image_pixels, image_layout)
     module, cls = KINDS[task]
     model: Model = getattr(importlib.import_module(module), cls)(path, device)
     return model
