@@ -36,7 +36,9 @@ MIN_GAIN = 1.05
 # (the first run of a TorchScript program profiles and optimises its graph).
 ROUNDS = 3
 # Images in the sample batch: a batch the batcher makes under load, kept small
-# so that measuring adds about a second to a worker's start for a ResNet-50.
+# because measuring is paid at every load: with it the ResNet-18-shaped
+# program's load took 2.7 s rather than 0.2 to 0.5 s at one thread (a
+# ResNet-50, with about twice the work, would take twice that).
 SAMPLE_BATCH = 4
 # channels_last's outputs must match the contiguous ones this closely (a
 # reordered sum differs in its last bits, a wrong one by far more).
