@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import InvalidStateError
@@ -54,12 +55,19 @@ from typing import Any
 import numpy as np
 
 from service.batching import native
-from service.batching.admission import AdmissionRule, Pace, ServiceMeter, predict_wait
+from service.batching.admission import AdmissionRule, Pace, ServiceMeter, alone_past_deadline, predict_wait
 from service.batching.model_time import SHARED_CALL_S, ModelTime
 from service.batching.reply import Reply
 from service.batching.subbatch import Cost, CostModel, cut
 from service.batching.waiting import end_of_hub_turn
-from service.errors import DeadlineExceeded, ModelError, NotReady, Overloaded, ServeError
+from service.errors import (
+    DeadlineExceeded,
+    ModelError,
+    NotReady,
+    Overloaded,
+    PayloadTooLarge,
+    ServeError,
+)
 from service.models.base import Outputs
 from service.outputs import check_count, check_finite, client_error, first_non_finite
 
@@ -367,6 +375,16 @@ class Batcher:
                 )
         return behind
 
+    def too_large(self, items: int, deadline_s: float) -> str | None:
+        """Why a request of ``items`` cannot be answered within ``deadline_s`` even alone; None if it can.
+
+        Read without the lock (the door asks before the body is read): the
+        rate may be a request old. None while admission is off or the rate untrusted.
+        """
+        if self._admission is None or math.isinf(self._admission.budget_s):
+            return None
+        return alone_past_deadline(items, self._meter.seconds_per_item, deadline_s)
+
     def estimate_items(self, body_bytes: int | None) -> int:
         """The items a body of ``body_bytes`` likely holds, from the bytes per item of recent requests.
 
@@ -425,6 +443,10 @@ class Batcher:
         with self._lock:
             if not self._accepting:
                 raise NotReady("the worker is shutting down; retry on another worker", reason="shutting_down")
+            # Before the pace counts it: no wait could make it timely, so it is no demand to meet.
+            too_large = self.too_large(count, pending.deadline - pending.budget_from)
+            if too_large is not None:
+                raise PayloadTooLarge(f"the request is too large for its deadline: {too_large}")
             # Demand, for the pace: a fresh request, taken or not, and any request
             # refused. A request on a connection held after a refusal is counted
             # only if refused again: it may be that refused request sent again,
@@ -785,7 +807,12 @@ class Batcher:
             return set()
         now = time.monotonic()
         with self._lock:
-            spi = self._meter.seconds_per_item or 0.0
+            # A request's parts still to come run in batches like those just run:
+            # before the long average is trusted (MIN_SERVED), the quick view counts
+            # them, else a lone large request on a fresh worker would be judged on
+            # its current call alone and shed at its last calls, its work wasted.
+            trusted = self._meter.seconds_per_item
+            spi = trusted or self._meter.recent_seconds_per_item or 0.0
             behind = self._behind(now)
         waited = [now - part.pending.budget_from for part in waiting]
         deadlines = [part.pending.deadline - part.pending.budget_from for part in waiting]
@@ -805,9 +832,12 @@ class Batcher:
             pending.started_at = None  # not served: the service meter learns no time from it
             more_ms = (over[latest] + limits[index] - waited[index]) * 1000
             what = "latency budget" if limits[index] < deadlines[index] else "deadline"
+            too_large = alone_past_deadline(len(pending.items), spi or None, deadlines[index])
             _fail(
                 pending.future,
-                Overloaded(
+                PayloadTooLarge(f"the request is too large for its deadline: {too_large}")
+                if too_large is not None
+                else Overloaded(
                     f"the request waited {waited[index] * 1000:.0f} ms and would need about "
                     f"{more_ms:.0f} ms more of the model, past its {limits[index] * 1000:.0f} ms "
                     f"{what}; the service is overloaded, retry shortly",

@@ -101,6 +101,11 @@ class Door:
         items = 1
         if batcher is not None:
             items = min(batcher.estimate_items(length), settings.max_items_per_request)
+        deadline_s = _deadline_s(environ, settings.request_timeout_ms)
+        if batcher is not None and batcher.too_large(items, deadline_s) is not None:
+            # Too large even alone, by its length: the batcher refuses it once
+            # its items are known (413, not 503).
+            return self._app(environ, start_response)
         predicted, behind = batcher.door_outlook(items) if batcher is not None else (0.0, False)
         returning = environ.get(RETURNING_ENVIRON_KEY)
         # A returning request waited out a hold the worker chose, not a queue: it
@@ -113,7 +118,7 @@ class Door:
         refusal = self._runtime.admission.decide(
             waited,
             predicted,
-            deadline_s=_deadline_s(environ, self._runtime.settings.request_timeout_ms),
+            deadline_s=deadline_s,
             behind=behind,
             standing=standing,
             returning=returning == LET_IN,

@@ -16,7 +16,7 @@ import pytest
 from service.batching.admission import AdmissionRule, Pace, ServiceMeter
 from service.batching.batcher import Pending
 from service.batching.waiting import wait_result
-from service.errors import Overloaded
+from service.errors import Overloaded, PayloadTooLarge
 from tests.batcher.test_batcher import FAR, GatedPredict, started
 from tests.batcher.test_sized_batches import Recorder, cost, sized_batcher
 
@@ -252,4 +252,54 @@ def test_a_request_queued_behind_work_past_its_deadline_is_refused_before_its_mo
         assert gated.batches == [["a"]]
     finally:
         gated.gate.set()
+        batcher.stop(10)
+
+
+class PerItem:
+    """A model with no item sizes whose call takes ``seconds`` an item, recording its calls."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.calls: list[int] = []
+
+    def __call__(self, batch: list[int]) -> list[int]:
+        self.calls.append(len(batch))
+        time.sleep(self.seconds * len(batch))
+        return batch
+
+
+def test_a_request_too_large_for_its_deadline_alone_is_refused_413_and_is_no_demand() -> None:
+    predict = PerItem(0.01)
+    batcher = started(predict, admission=AdmissionRule(budget_s=1.0))
+    batcher._meter = ServiceMeter(min_served=1)  # trust the rate from the first request on
+    try:
+        assert wait_result(batcher.submit(list(range(10)), FAR).future, 10) == list(range(10))
+        backlog = batcher._pace._backlog
+        now = time.monotonic()
+        # 100 items at 0.01 s an item, with the deadline margin, pass a 1 s deadline: no retry could succeed.
+        with pytest.raises(PayloadTooLarge, match=r"its 100 items would take about 1\.\d s") as refused:
+            batcher.submit(list(range(100)), now + 1.0, arrived=now)
+        assert refused.value.status == 413
+        assert batcher.depth == 0
+        assert batcher._pace._backlog == backlog  # not counted as demand unmet
+        # Half as many fit, and are answered.
+        now = time.monotonic()
+        half = batcher.submit(list(range(50)), now + 1.0, arrived=now)
+        assert wait_result(half.future, 10) == list(range(50))
+    finally:
+        batcher.stop(10)
+
+
+def test_a_fresh_worker_sheds_a_request_too_large_for_its_deadline_after_its_first_call() -> None:
+    # The long average is not trusted yet (MIN_SERVED); the first call's time per item says
+    # that the 192 items still to come (1.9 s) cannot end within the 1 s deadline.
+    predict = PerItem(0.01)
+    batcher = started(predict, admission=AdmissionRule(budget_s=1.0), max_batch_size=8)
+    try:
+        now = time.monotonic()
+        large = batcher.submit(list(range(200)), now + 1.0, arrived=now)
+        with pytest.raises(PayloadTooLarge, match="too large for its deadline: its 200 items"):
+            wait_result(large.future, 10)
+        assert len(predict.calls) <= 2
+    finally:
         batcher.stop(10)

@@ -289,3 +289,23 @@ def test_clients_that_resend_at_once_through_nginx_are_held_too() -> None:
     assert refused <= clients * (seconds / hold_s + 1), f"{refused} refusals in {seconds} s"
     assert max(after_refusal) <= BUDGET_MS / 1000 + 0.5, max(after_refusal)
     assert sum(served) / seconds >= 0.6 * capacity, (sum(served) / seconds, capacity)
+
+
+def test_a_request_too_large_for_its_deadline_gets_413_after_its_first_call_not_a_503_at_its_end() -> None:
+    # 64 items of 0.1 s in batches of 8: 0.8 s of model time, past a 500 ms deadline
+    # even with nothing ahead. A retry could not succeed, so it is the client's to
+    # cut, not a 503 to send again; and a fresh worker, whose rate is not trusted
+    # yet, knows it from the request's first call.
+    body = json.dumps({"inputs": [0.1] * 64})
+    headers = {"Content-Type": "application/json", "X-Request-Timeout-Ms": "500"}
+    with gunicorn(OVERLOAD) as server:
+        refused = requests.post(server.url + "/predict/batched", data=body, headers=headers, timeout=30)
+        assert refused.status_code == 413, refused.text
+        message = refused.json()["error"]
+        assert "too large for its deadline: its 64 items would take about" in message
+        assert re.search(r"send at most about \d+ items a request", message), message
+        # With the default deadline (the request timeout) the same request is answered.
+        plain = {"Content-Type": "application/json"}
+        answered = requests.post(server.url + "/predict/batched", data=body, headers=plain, timeout=30)
+        assert answered.status_code == 200, answered.text
+        assert len(answered.json()["outputs"]) == 64

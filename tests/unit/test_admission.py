@@ -6,7 +6,14 @@ import math
 
 import pytest
 
-from service.batching.admission import AdmissionRule, Pace, ServiceMeter, StandingQueue, predict_wait
+from service.batching.admission import (
+    AdmissionRule,
+    Pace,
+    ServiceMeter,
+    StandingQueue,
+    alone_past_deadline,
+    predict_wait,
+)
 
 # The request timeout by default: what a request may take while the service keeps up.
 DEADLINE = 30.0
@@ -315,3 +322,25 @@ def test_an_unmeasured_or_idle_service_is_not_behind() -> None:
     pace.offered(10_000, 0.0)
     assert not pace.behind(5.0, None)  # no rate yet: nothing to compare with
     assert not pace.behind(100.0, ITEM_S)  # idle since: the backlog did not grow
+
+
+def test_a_request_too_large_for_its_deadline_alone_says_how_many_items_fit() -> None:
+    # 0.015 s an item: 2,048 items take about 31 s alone, past a 30 s deadline.
+    why = alone_past_deadline(2048, 0.015, 30.0)
+    assert why is not None
+    assert "2048 items would take about 30.7 s" in why
+    assert "67 items a second" in why
+    assert "30 s deadline" in why
+    assert "at most about 1666 items" in why  # 30 / (1.2 * 0.015)
+    # What fits with the deadline margin to spare is no refusal, nor is anything while the rate is unknown.
+    assert alone_past_deadline(1666, 0.015, 30.0) is None
+    assert alone_past_deadline(1667, 0.015, 30.0) is not None
+    assert alone_past_deadline(100_000, None, 30.0) is None
+
+
+def test_the_quick_view_of_the_rate_is_known_after_one_batch_while_the_long_one_waits() -> None:
+    meter = ServiceMeter(min_served=32)
+    assert meter.recent_seconds_per_item is None
+    meter.batch_ran(0.4, items=8)
+    assert meter.recent_seconds_per_item == pytest.approx(0.05)
+    assert meter.seconds_per_item is None  # too few served to admit on
