@@ -184,7 +184,8 @@ def alone_past_deadline(items: int, seconds_per_item: float | None, deadline_s: 
         return None
     fits = max(1, math.floor(deadline_s / (DEADLINE_MARGIN * seconds_per_item)))
     return (
-        f"its {items} items would take about {own_s:.1f} s of the model alone, at the "
+        f"the request is too large for its deadline: its {items} items would take about "
+        f"{own_s:.1f} s of the model alone, at the "
         f"{1 / seconds_per_item:.0f} items a second this service answers now, past the request's "
         f"{deadline_s:.0f} s deadline; send at most about {fits} items a request "
         "(SERVE_REQUEST_TIMEOUT_MS sets the deadline)"

@@ -446,7 +446,7 @@ class Batcher:
             # Before the pace counts it: no wait could make it timely, so it is no demand to meet.
             too_large = self.too_large(count, pending.deadline - pending.budget_from)
             if too_large is not None:
-                raise PayloadTooLarge(f"the request is too large for its deadline: {too_large}")
+                raise PayloadTooLarge(too_large)
             # Demand, for the pace: a fresh request, taken or not, and any request
             # refused. A request on a connection held after a refusal is counted
             # only if refused again: it may be that refused request sent again,
@@ -811,8 +811,7 @@ class Batcher:
             # before the long average is trusted (MIN_SERVED), the quick view counts
             # them, else a lone large request on a fresh worker would be judged on
             # its current call alone and shed at its last calls, its work wasted.
-            trusted = self._meter.seconds_per_item
-            spi = trusted or self._meter.recent_seconds_per_item or 0.0
+            spi = self._meter.seconds_per_item or self._meter.recent_seconds_per_item or 0.0
             behind = self._behind(now)
         waited = [now - part.pending.budget_from for part in waiting]
         deadlines = [part.pending.deadline - part.pending.budget_from for part in waiting]
@@ -835,7 +834,7 @@ class Batcher:
             too_large = alone_past_deadline(len(pending.items), spi or None, deadlines[index])
             _fail(
                 pending.future,
-                PayloadTooLarge(f"the request is too large for its deadline: {too_large}")
+                PayloadTooLarge(too_large)
                 if too_large is not None
                 else Overloaded(
                     f"the request waited {waited[index] * 1000:.0f} ms and would need about "
