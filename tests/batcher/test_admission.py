@@ -277,15 +277,15 @@ def test_a_request_too_large_for_its_deadline_alone_is_refused_413_and_is_no_dem
         backlog = batcher._pace._backlog
         now = time.monotonic()
         # 100 items at 0.01 s an item, with the deadline margin, pass a 1 s deadline: no retry could succeed.
-        with pytest.raises(PayloadTooLarge, match=r"its 100 items would take about 1\.\d s") as refused:
+        with pytest.raises(PayloadTooLarge, match=r"its 100 items would take about \d+\.\d s") as refused:
             batcher.submit(list(range(100)), now + 1.0, arrived=now)
         assert refused.value.status == 413
         assert batcher.depth == 0
         assert batcher._pace._backlog == backlog  # not counted as demand unmet
-        # Half as many fit, and are answered.
+        # A fifth as many fit, and are answered (with room for a busy machine's slower sleeps).
         now = time.monotonic()
-        half = batcher.submit(list(range(50)), now + 1.0, arrived=now)
-        assert wait_result(half.future, 10) == list(range(50))
+        fifth = batcher.submit(list(range(20)), now + 1.0, arrived=now)
+        assert wait_result(fifth.future, 10) == list(range(20))
     finally:
         batcher.stop(10)
 
