@@ -226,7 +226,9 @@ class Pace:
 
     The backlog of demand, ``offered - answered`` in items, tells the two apart:
     offered counts every fresh request, admitted or refused (a resend of a
-    refused one is not fresh), answered every item served. A closed loop keeps
+    refused one is not fresh: the same request again on the connection held
+    after its refusal, told by its body, service.http.resend), answered every
+    item served. A closed loop keeps
     it flat; an open-loop overload makes it grow without end, its refusals
     included. Requests the service has not read yet (waiting for a request
     thread, in the accept backlog) count too, as the wait before its handler

@@ -428,8 +428,9 @@ class Batcher:
         ``arrived``: when the request reached the service (monotonic), for the
         latency budget; None counts from now. ``returning``: its client was
         refused before and was let in from its hold early (AdmissionRule.decide);
-        ``resend``: its client was refused before, so it is no fresh demand
-        (admission.Pace). ``first_on_connection``: its wait before the handler
+        ``resend``: it is the request refused before on its connection, sent
+        again, so it is no fresh demand (admission.Pace; service.http.resend
+        tells it from a new request read after a hold). ``first_on_connection``: its wait before the handler
         tells the pace nothing (admission.Pace). ``queue_wait``: its wait before
         its handler (None: since it arrived). ``body_bytes``: the
         size of the body its items came from, to learn what the door may
@@ -448,19 +449,20 @@ class Batcher:
             if too_large is not None:
                 raise PayloadTooLarge(too_large)
             # Demand, for the pace: a fresh request, taken or not, and any request
-            # refused. A request on a connection held after a refusal is counted
-            # only if refused again: it may be that refused request sent again,
-            # which was counted then, or an open-loop client's next one.
+            # refused. A resend of a refused request is counted only if refused
+            # again, the refused one having been counted then. (Refused at the door,
+            # before its body is read, a request on a held connection is counted
+            # whichever it is.)
             waited: float | None = now - pending.budget_from if queue_wait is None else queue_wait
             if first_on_connection:
                 waited = None
-            if not (returning or resend):
+            if not resend:
                 self._pace.offered(count, now, waited, self._meter.seconds_per_item)
             self._learn_request(count, body_bytes)
             try:
                 self._admit(pending, count, now, returning=returning)
             except Overloaded:
-                if returning or resend:
+                if resend:
                     self._pace.offered(count, now, waited, self._meter.seconds_per_item)
                 raise
             self._depth += 1

@@ -28,7 +28,7 @@ from gevent.socket import wait_read
 from gunicorn.workers.ggevent import GeventWorker as _GeventWorker
 
 from service.host.hold import HeldConnections, peek
-from service.host.worker import InTransit, StampedApp, room_test
+from service.host.worker import InTransit, StampedApp, room_test, take_refused_digest
 from service.http.arrival import HELD_OUT, LET_IN
 
 
@@ -66,6 +66,8 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
         finally:
             requests.at = None
             requests.returning = None
+            requests.held_digest = None
+            refused_digest = take_refused_digest(requests)
             # An answer is out: the batcher may have room for a held client, whose
             # request should reach it before the resend of the client just answered.
             self._lot.poke()
@@ -77,6 +79,7 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
                 requests.next_at = arrived  # its resend arrived then
                 requests.in_transit = True
             requests.returning = LET_IN if early else HELD_OUT  # for the request it reads next
+            requests.held_digest = refused_digest  # to tell whether that request is a resend
         else:
             requests.first_held = None
 

@@ -51,6 +51,7 @@ from service.http.arrival import (
     LET_IN,
     RETURNING_ENVIRON_KEY,
 )
+from service.http.resend import HELD_DIGEST_ENVIRON_KEY, REFUSED_DIGEST_ENVIRON_KEY
 
 if TYPE_CHECKING:
     from service.runtime import ModelRuntime
@@ -107,6 +108,8 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         self._arrivals.at = getattr(conn, "serve_arrived", None)
         self._arrivals.follow_up = getattr(conn, "serve_requests", 1) > 1
         self._arrivals.returning, conn.serve_returning = getattr(conn, "serve_returning", None), None
+        # What the request refused before this one on the connection was, to tell a resend.
+        self._arrivals.held_digest = getattr(conn, "serve_refused_digest", None)
         self._arrivals.hold_s = 0.0
         try:
             return super().handle(conn)
@@ -114,6 +117,7 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
             self._arrivals.at = None
             self._arrivals.returning = None
             conn.serve_hold_s = self._arrivals.hold_s
+            conn.serve_refused_digest = take_refused_digest(self._arrivals)
 
     def finish_request(self, conn: Any, fs: Future[Any]) -> None:
         # In the event loop. Only a kept-alive connection (the result True) is held:
@@ -276,6 +280,19 @@ def room_test(
     return fits
 
 
+def take_refused_digest(arrivals: Any) -> bytes | None:
+    """The digest a held refusal left in its environ (service.http.resend), once its answer is closed.
+
+    For the connection to keep until its next request; None when the request
+    was not held or its body's digest is unknown. Drops the local's environ.
+    """
+    environ, arrivals.environ = getattr(arrivals, "environ", None), None
+    if environ is None or not getattr(arrivals, "hold_s", 0.0):
+        return None
+    digest = environ.get(REFUSED_DIGEST_ENVIRON_KEY)
+    return digest if isinstance(digest, bytes) else None
+
+
 class StampedApp:
     """The app, with each request's arrival put into its environ, and the door's hold taken from it.
 
@@ -294,6 +311,9 @@ class StampedApp:
         returning = getattr(self._arrivals, "returning", None)
         if returning:
             environ[RETURNING_ENVIRON_KEY] = returning
+            environ[HELD_DIGEST_ENVIRON_KEY] = getattr(self._arrivals, "held_digest", None)
+        # A refusal's digest is known only once its answer is closed (service.http.linger).
+        self._arrivals.environ = environ
         environ[FOLLOW_UP_ENVIRON_KEY] = getattr(self._arrivals, "follow_up", True)
         environ[HANDLER_ENVIRON_KEY] = time.monotonic()
         one_write(start_response)

@@ -9,11 +9,14 @@ or saw it readable again; behind nginx, ``X-Request-Start: t=<unix seconds>``
 
 It also holds the keys by which the service asks the worker to hold a refused
 client's connection, and the worker marks the request it reads after a hold
-(service.host.hold). Only this module and its callers know the environ keys,
-so it imports nothing: the gunicorn master imports it through the worker class.
+(service.host.hold). Only this module, service.http.resend and their callers
+know the environ keys, so neither imports more than the standard library: the
+gunicorn master imports them through the worker class.
 """
 
 from __future__ import annotations
+
+from service.http.resend import note_refused_body
 
 # The client's own deadline for a request, in milliseconds, as WSGI names the header
 # (X-Request-Timeout-Ms): the door reads it before the route does.
@@ -116,3 +119,6 @@ def ask_to_hold(environ: dict[str, object], retry_after_s: float, budget_s: floa
     # Longer holds mean fewer refusals from clients waiting their turn: 256 such
     # clients kept 0.72 to 0.81x of capacity with a quarter, 0.81 to 0.89x with half.
     environ[HOLD_ENVIRON_KEY] = min(float(retry_after_s), MAX_HOLD_S, budget_s / 2)
+    # For the connection to tell its next request a resend or a new one; a
+    # body not read yet leaves its digest as service.http.linger drains it.
+    note_refused_body(environ)

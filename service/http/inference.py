@@ -45,6 +45,7 @@ from service.http.arrival import (
     RETURNING_ENVIRON_KEY,
     TIMEOUT_ENVIRON_KEY,
 )
+from service.http.resend import BODY_ENVIRON_KEY, HELD_DIGEST_ENVIRON_KEY, is_resend
 from service.model_set import ModelSet
 from service.models import Model
 from service.models.base import Outputs
@@ -114,6 +115,8 @@ def read_body(environ: dict[str, Any], limit: int) -> bytes:
         # werkzeug refuses a Content-Length, or a chunked body as it streams,
         # past limit + 1 bytes; a body of exactly limit + 1 is refused here.
         raise PayloadTooLarge(f"the request body is over {limit} bytes (SERVE_MAX_BODY_BYTES)")
+    # Kept for its digest, should the request be refused and its connection held.
+    environ[BODY_ENVIRON_KEY] = body
     return body
 
 
@@ -208,12 +211,17 @@ def _run(
 ) -> Batched:
     """Queue the request's items and wait for their answer."""
     returning = environ.get(RETURNING_ENVIRON_KEY)
+    # Read after a hold: the refused request again, or a new one (an open-loop
+    # client's next, another client's through a proxy), which is new demand.
+    resend = returning is not None and is_resend(
+        environ.get(HELD_DIGEST_ENVIRON_KEY), environ.get(BODY_ENVIRON_KEY, b"")
+    )
     pending = batcher.submit(
         items,
         until,
         arrived,
         returning=returning == LET_IN,
-        resend=returning is not None,
+        resend=resend,
         first_on_connection=not environ.get(FOLLOW_UP_ENVIRON_KEY, True),
         queue_wait=_queue_wait(environ, arrived),
         body_bytes=body_bytes,

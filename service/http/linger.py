@@ -27,12 +27,15 @@ in time; a body that was read already costs one empty read.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from service.http.access import WsgiApp
+from service.http.arrival import HOLD_ENVIRON_KEY
+from service.http.resend import REFUSED_DIGEST_ENVIRON_KEY, digester
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +78,26 @@ def has_body(environ: dict[str, Any]) -> bool:
 
 
 def discard_body(environ: dict[str, Any], max_bytes: int, max_s: float) -> bool:
-    """Read and drop the rest of the request body; whether it was read to its end within the bounds."""
+    """Read and drop the rest of the request body; whether it was read to its end within the bounds.
+
+    A refused request whose connection is held, and whose body nothing read
+    before, leaves the digest of what was drained, read to its end, for its
+    connection to tell a resend from a new request (service.http.resend).
+    """
     stream = environ.get("wsgi.input")
     if stream is None:
         return True
+    held = HOLD_ENVIRON_KEY in environ and REFUSED_DIGEST_ENVIRON_KEY not in environ
+    whole = digester() if held else None
+    drained = _drain(environ, stream, max_bytes, max_s, whole)
+    if drained and whole is not None:
+        environ[REFUSED_DIGEST_ENVIRON_KEY] = whole.digest()
+    return drained
+
+
+def _drain(
+    environ: dict[str, Any], stream: Any, max_bytes: int, max_s: float, whole: hashlib.blake2b | None
+) -> bool:
     sock = environ.get("gunicorn.socket")
     deadline = time.monotonic() + max_s
     prior = sock.gettimeout() if sock is not None else None
@@ -93,6 +112,8 @@ def discard_body(environ: dict[str, Any], max_bytes: int, max_s: float) -> bool:
             chunk = stream.read(min(_CHUNK, left))
             if not chunk:
                 return True
+            if whole is not None:
+                whole.update(chunk)
             left -= len(chunk)
         return not stream.read(1)
     except TimeoutError:  # socket.timeout, gevent's included

@@ -303,3 +303,21 @@ def test_a_fresh_worker_sheds_a_request_too_large_for_its_deadline_after_its_fir
         assert len(predict.calls) <= 2
     finally:
         batcher.stop(10)
+
+
+def test_a_new_request_let_in_from_a_hold_is_demand_and_a_resend_is_not(gated: GatedPredict) -> None:
+    # The pace's demand: every new request, admitted or refused. A request let in
+    # from a hold (returning) is new unless it is the refused one sent again.
+    batcher = started(gated, max_batch_size=1)
+    try:
+        backlog = batcher._pace._backlog
+        new = batcher.submit(["a", "b"], FAR, returning=True, resend=False)
+        assert batcher._pace._backlog == backlog + 2
+        again = batcher.submit(["c"], FAR, returning=True, resend=True)
+        assert batcher._pace._backlog == backlog + 2
+        gated.gate.set()
+        wait_result(new.future, 10)
+        wait_result(again.future, 10)
+    finally:
+        gated.gate.set()
+        batcher.stop(10)
