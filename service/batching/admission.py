@@ -208,6 +208,13 @@ PACE_WINDOWS = 3
 # read three rises of a tenth running within 15 s), below what 1.5x overload
 # adds (half a window's answers) and far below 2x's (all of them).
 PACE_TOLERANCE = 0.3
+# A rate's rises keep their size window after window; a step that straddled two
+# windows leaves a third rise that has faded to jitter, which may still pass the
+# tolerance. So the last rise must also be at least this share of the largest
+# of the three: 256 closed-loop clients meeting a cold service revealed their
+# wait for a thread at once, rises of 129 and 106 items then 23 against a
+# tolerance of 18, and the worker refused them for the rest of the run.
+PACE_RATE_SHARE = 0.25
 # Requests the mean request size spans, roughly.
 PACE_MEAN_REQUESTS = 64
 
@@ -230,20 +237,27 @@ class Pace:
     after its refusal, told by its body, service.http.resend), answered every
     item served. A closed loop keeps
     it flat; an open-loop overload makes it grow without end, its refusals
-    included. Requests the service has not read yet (waiting for a request
-    thread, in the accept backlog) count too, as the wait before its handler
-    of the last fresh request, at the service rate: where the request threads
-    are fewer than the clients, the queue grows there. Only a request that
-    follows another on its connection tells that wait: clients that connect
-    at once are read one by one, each waiting longer, and would look like a
-    growing queue where a closed loop is only starting.
+    included. Requests the service has not read yet count too: where the
+    request threads are fewer than the clients, the queue grows there. The
+    gthread worker counts those waiting for a thread when a request gets its
+    own (``waiting``, at the recent mean items a request): clients that connect
+    at once fill that queue at once, a step. Without that count (gevent, whose
+    only such queue is the accept backlog), the wait before its handler of the
+    last fresh request tells it, at the service rate. Only a request that
+    follows another on its connection tells that wait: clients that connect at
+    once are read one by one, each waiting longer, and would look like a
+    growing queue where a closed loop is only starting. (The waits of the
+    requests that follow grow too as such clients come round again, over a
+    whole pass of the queue: 256 clients joining a warm service read as a rate
+    that way, and the worker refused them for the rest of the run.)
 
     Time is cut into windows in which the service answers PACE_WINDOW_REQUESTS
     requests of the mean size, and each window keeps its mean backlog over
     time (a closed loop's backlog dips at each answer and fills again within
     milliseconds; the mean barely moves). The service falls behind when the
     mean grew, by more than PACE_TOLERANCE of a window's answers, in each of
-    the last PACE_WINDOWS windows; it is behind until the mean grows by less
+    the last PACE_WINDOWS windows, the last rise not faded below PACE_RATE_SHARE
+    of the largest (a step's rises fade, a rate's do not); it is behind until the mean grows by less
     than that over those windows together. (Shedding empties the queue before
     the handler at once, a drop that must not read as recovery while the
     refused demand still grows.) Pure: the caller passes the time.
@@ -262,16 +276,26 @@ class Pace:
         self._behind = False
 
     def offered(
-        self, items: int, now: float, waited_s: float | None = 0.0, seconds_per_item: float | None = None
+        self,
+        items: int,
+        now: float,
+        waited_s: float | None = 0.0,
+        seconds_per_item: float | None = None,
+        waiting: int | None = None,
     ) -> None:
-        """A fresh request of ``items`` arrived (admitted or refused), ``waited_s`` before its handler."""
+        """A fresh request of ``items`` arrived (admitted or refused), ``waited_s`` before its handler.
+
+        ``waiting``: the requests still waiting for a thread when it got its own (gthread), if known.
+        """
         self._advance(now, seconds_per_item)
         self._backlog += items
         self.request_items += (items - self.request_items) / PACE_MEAN_REQUESTS
         # What waits before the handler, in items: the wait at the rate the service answers.
         # None: a wait that tells nothing of it (a connection's first request: clients
         # that connect at once are read one by one, each having waited longer).
-        if waited_s is not None:
+        if waiting is not None:
+            self._before = waiting * self.request_items
+        elif waited_s is not None:
             self._before = waited_s / seconds_per_item if seconds_per_item else 0.0
 
     def answered(self, items: int, now: float, seconds_per_item: float | None = None) -> None:
@@ -293,7 +317,8 @@ class Pace:
         if self._behind:
             self._behind = means[-1] - means[0] > step * (len(means) - 1)
         else:
-            self._behind = all(b - a > step for a, b in itertools.pairwise(means))
+            rises = [b - a for a, b in itertools.pairwise(means)]
+            self._behind = min(rises) > step and rises[-1] > PACE_RATE_SHARE * max(rises)
         return self._behind
 
     def _advance(self, now: float, seconds_per_item: float | None) -> None:

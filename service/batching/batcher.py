@@ -402,14 +402,15 @@ class Batcher:
             behind = self._behind(time.monotonic())
             return self._predict_locked(items), behind
 
-    def refused(self, items: int, waited_s: float | None) -> None:
+    def refused(self, items: int, waited_s: float | None, waiting: int | None = None) -> None:
         """A request of about ``items`` was refused at the door, before submit(): demand unmet.
 
         ``waited_s``: its wait before the handler, for the pace (None: not telling, as a
-        connection's first request's is not; see admission.Pace).
+        connection's first request's is not; see admission.Pace); ``waiting``: the requests
+        still waiting for a thread when it got its own, where the worker counts them.
         """
         with self._lock:
-            self._pace.offered(items, time.monotonic(), waited_s, self._meter.seconds_per_item)
+            self._pace.offered(items, time.monotonic(), waited_s, self._meter.seconds_per_item, waiting)
 
     def submit(
         self,
@@ -422,6 +423,7 @@ class Batcher:
         first_on_connection: bool = False,
         queue_wait: float | None = None,
         body_bytes: int | None = None,
+        waiting: int | None = None,
     ) -> Pending:
         """Queue a request, or refuse it (503) when the queue is full or it cannot be answered in time.
 
@@ -434,7 +436,8 @@ class Batcher:
         tells the pace nothing (admission.Pace). ``queue_wait``: its wait before
         its handler (None: since it arrived). ``body_bytes``: the
         size of the body its items came from, to learn what the door may
-        expect of a body (estimate_items).
+        expect of a body (estimate_items). ``waiting``: the requests still
+        waiting for a thread when it got its own (gthread; admission.Pace).
         """
         # Sized here, in the request thread, so the batch thread only sorts.
         sizes = None if self._sizer is None else [self._sizer(item) for item in items]
@@ -457,13 +460,13 @@ class Batcher:
             if first_on_connection:
                 waited = None
             if not resend:
-                self._pace.offered(count, now, waited, self._meter.seconds_per_item)
+                self._pace.offered(count, now, waited, self._meter.seconds_per_item, waiting)
             self._learn_request(count, body_bytes)
             try:
                 self._admit(pending, count, now, returning=returning)
             except Overloaded:
                 if resend:
-                    self._pace.offered(count, now, waited, self._meter.seconds_per_item)
+                    self._pace.offered(count, now, waited, self._meter.seconds_per_item, waiting)
                 raise
             self._depth += 1
             self._queued_items += count

@@ -26,6 +26,7 @@ SERVE_BALANCE_CONNECTIONS is on. Without one it accepts as gthread does.
 
 from __future__ import annotations
 
+import contextlib
 import selectors
 import threading
 import time
@@ -50,6 +51,7 @@ from service.http.arrival import (
     HOLD_ENVIRON_KEY,
     LET_IN,
     RETURNING_ENVIRON_KEY,
+    WAITING_ENVIRON_KEY,
 )
 from service.http.resend import HELD_DIGEST_ENVIRON_KEY, REFUSED_DIGEST_ENVIRON_KEY
 
@@ -92,6 +94,9 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         self._arrivals = threading.local()
         self._held = HeldConnections()
         self._in_transit = InTransit()
+        # One entry per connection handed to the pool and not yet taken by a thread:
+        # the event loop appends, request threads pop (deque operations are atomic).
+        self._waiting: deque[None] = deque()
         self.wsgi = StampedApp(self.wsgi, self._arrivals)
 
     def enqueue_req(self, conn: Any) -> None:
@@ -99,9 +104,13 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         held_since, conn.serve_held_since = getattr(conn, "serve_held_since", None), None
         conn.serve_arrived = time.monotonic() if held_since is None else held_since
         conn.serve_requests = getattr(conn, "serve_requests", 0) + 1
+        self._waiting.append(None)  # until a request thread takes it (handle)
         super().enqueue_req(conn)
 
     def handle(self, conn: Any) -> Any:
+        with contextlib.suppress(IndexError):
+            self._waiting.pop()
+        self._arrivals.waiting = len(self._waiting)
         if getattr(conn, "serve_in_transit", False):
             conn.serve_in_transit = False
             self._in_transit.landed()
@@ -315,6 +324,9 @@ class StampedApp:
         # A refusal's digest is known only once its answer is closed (service.http.linger).
         self._arrivals.environ = environ
         environ[FOLLOW_UP_ENVIRON_KEY] = getattr(self._arrivals, "follow_up", True)
+        waiting = getattr(self._arrivals, "waiting", None)
+        if waiting is not None:
+            environ[WAITING_ENVIRON_KEY] = waiting
         environ[HANDLER_ENVIRON_KEY] = time.monotonic()
         one_write(start_response)
         answer = self._app(environ, start_response)

@@ -38,6 +38,10 @@ HANDLER_ENVIRON_KEY = "serve.handler_at"
 # a first request's may be the first pass of clients that all connected at once.
 FOLLOW_UP_ENVIRON_KEY = "serve.follow_up"
 
+# Set by the gthread worker: the requests still waiting for a request thread
+# when this one got its own, the queue before the handler (admission.Pace).
+WAITING_ENVIRON_KEY = "serve.waiting"
+
 # Seconds the worker holds a connection after a request on it was refused with
 # 503, before it reads the next one (service.host.hold); absent: no hold.
 HOLD_ENVIRON_KEY = "serve.hold_s"

@@ -51,6 +51,7 @@ from service.http.arrival import (
     MODEL_ENVIRON_KEY,
     RETURNING_ENVIRON_KEY,
     TIMEOUT_ENVIRON_KEY,
+    WAITING_ENVIRON_KEY,
     ask_to_hold,
     proxy_wait,
     settle_wait,
@@ -127,7 +128,8 @@ class Door:
             return self._app(environ, start_response)
         if batcher is not None:
             # Demand unmet, for the pace (Batcher.submit says which counts).
-            batcher.refused(items, waited if environ.get(FOLLOW_UP_ENVIRON_KEY, True) else None)
+            follow_up = environ.get(FOLLOW_UP_ENVIRON_KEY, True)
+            batcher.refused(items, waited if follow_up else None, environ.get(WAITING_ENVIRON_KEY))
         # A lone model's refusals are its own; with several, the body naming one is still unread.
         model = (self._runtime.served_name if self._single else None) or NO_MODEL
         environ[MODEL_ENVIRON_KEY] = model

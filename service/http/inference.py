@@ -44,6 +44,7 @@ from service.http.arrival import (
     MODEL_ENVIRON_KEY,
     RETURNING_ENVIRON_KEY,
     TIMEOUT_ENVIRON_KEY,
+    WAITING_ENVIRON_KEY,
 )
 from service.http.resend import BODY_ENVIRON_KEY, HELD_DIGEST_ENVIRON_KEY, is_resend
 from service.model_set import ModelSet
@@ -225,6 +226,7 @@ def _run(
         first_on_connection=not environ.get(FOLLOW_UP_ENVIRON_KEY, True),
         queue_wait=_queue_wait(environ, arrived),
         body_bytes=body_bytes,
+        waiting=environ.get(WAITING_ENVIRON_KEY),
     )
     outputs = wait_result(pending.future, until - time.monotonic(), client_gone(environ))
     note_batch_size(environ, pending.batch_size)

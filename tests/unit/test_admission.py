@@ -253,7 +253,7 @@ def test_the_meter_weighs_requests_by_their_items() -> None:
     assert meter.seconds_per_item == pytest.approx(0.01)
 
 
-# The pace: 10 ms an item, so a window (0.5 s) answers 50 items, and PACE_TOLERANCE of it is 5.
+# The pace: 10 ms an item, so a window (0.5 s) answers 50 items, and PACE_TOLERANCE of it is 15.
 ITEM_S = 0.01
 BATCH = 64
 
@@ -283,6 +283,22 @@ def test_clients_joining_a_closed_loop_are_a_step_not_a_rate() -> None:
     pace.offered(60 * 32, t + 0.24)  # 60 more clients, straddling a window's end
     pace.offered(0, t + 0.26)
     closed_loop(pace, t + 0.26, 10.0, clients=64, texts=32)
+
+
+def test_a_step_spread_over_two_windows_then_jitter_is_no_rate_and_even_rises_are() -> None:
+    # Clients that all connected at once show their wait for a thread all at once,
+    # when their next requests are read: a step across two windows, then jitter
+    # just past the tolerance (15 items here). The rises fade; a rate's do not.
+    step = Pace()
+    step.offered(100, 0.0)
+    step.offered(230, 0.75)  # mid-window: half the step in this window, half in the next
+    step.offered(20, 1.5)  # then a rise of 20, past the tolerance, not a quarter of 115
+    assert not step.behind(2.01, ITEM_S)
+    rate = Pace()
+    rate.offered(100, 0.0)
+    for at in (0.5, 1.0, 1.5):
+        rate.offered(20, at)  # the same 20 in every window
+    assert rate.behind(2.01, ITEM_S)
 
 
 def test_arrivals_that_outrun_the_answers_put_the_service_behind_and_it_recovers() -> None:
