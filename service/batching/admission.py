@@ -235,13 +235,14 @@ class Pace:
     offered counts every fresh request, admitted or refused (a resend of a
     refused one is not fresh: the same request again on the connection held
     after its refusal, told by its body, service.http.resend), answered every
-    item served. A closed loop keeps
-    it flat; an open-loop overload makes it grow without end, its refusals
-    included. Requests the service has not read yet count too: where the
-    request threads are fewer than the clients, the queue grows there. The
-    gthread worker counts those waiting for a thread when a request gets its
-    own (``waiting``, at the recent mean items a request): clients that connect
-    at once fill that queue at once, a step. Without that count (gevent, whose
+    item served. A closed loop keeps it flat; an open-loop overload makes it
+    grow without end, its refusals included.
+
+    Requests the service has not read yet count too: where the request
+    threads are fewer than the clients, the queue grows there. The gthread
+    worker counts those waiting for a thread when a request gets its own
+    (``waiting``, at the recent mean items a request): clients that connect at
+    once fill that queue at once, a step. Without that count (gevent, whose
     only such queue is the accept backlog), the wait before its handler of the
     last fresh request tells it, at the service rate. Only a request that
     follows another on its connection tells that wait: clients that connect at
@@ -256,11 +257,12 @@ class Pace:
     time (a closed loop's backlog dips at each answer and fills again within
     milliseconds; the mean barely moves). The service falls behind when the
     mean grew, by more than PACE_TOLERANCE of a window's answers, in each of
-    the last PACE_WINDOWS windows, the last rise not faded below PACE_RATE_SHARE
-    of the largest (a step's rises fade, a rate's do not); it is behind until the mean grows by less
-    than that over those windows together. (Shedding empties the queue before
-    the handler at once, a drop that must not read as recovery while the
-    refused demand still grows.) Pure: the caller passes the time.
+    the last PACE_WINDOWS windows, the last rise not faded below
+    PACE_RATE_SHARE of the largest (a step's rises fade, a rate's do not); it
+    is behind until the mean grows by less than that over those windows
+    together. (Shedding empties the queue before the handler at once, a drop
+    that must not read as recovery while the refused demand still grows.)
+    Pure: the caller passes the time.
     """
 
     def __init__(self, windows: int = PACE_WINDOWS, tolerance: float = PACE_TOLERANCE) -> None:

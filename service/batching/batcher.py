@@ -432,8 +432,8 @@ class Batcher:
         refused before and was let in from its hold early (AdmissionRule.decide);
         ``resend``: it is the request refused before on its connection, sent
         again, so it is no fresh demand (admission.Pace; service.http.resend
-        tells it from a new request read after a hold). ``first_on_connection``: its wait before the handler
-        tells the pace nothing (admission.Pace). ``queue_wait``: its wait before
+        tells it from a new request read after a hold). ``first_on_connection``:
+        its wait before the handler tells the pace nothing (admission.Pace). ``queue_wait``: its wait before
         its handler (None: since it arrived). ``body_bytes``: the
         size of the body its items came from, to learn what the door may
         expect of a body (estimate_items). ``waiting``: the requests still
