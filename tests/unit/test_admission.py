@@ -301,6 +301,31 @@ def test_a_step_spread_over_two_windows_then_jitter_is_no_rate_and_even_rises_ar
     assert rate.behind(2.01, ITEM_S)
 
 
+def test_requests_waiting_for_a_thread_count_as_a_queue_a_step_when_clients_connect_at_once() -> None:
+    # gthread counts the requests waiting for a thread when one gets its own: 56
+    # clients beyond the threads fill that queue at once and keep it full, a step.
+    pace = Pace()
+    pace.request_items = 4.0  # the mean request, as its first requests taught it
+    t = 0.0
+    pace.offered(4, t, waiting=56)
+    assert pace._level == pytest.approx(4 + 56 * 4.0)
+    while t < 5.0:
+        t += 4 * ITEM_S
+        pace.answered(4, t)
+        # The wait of the requests that follow grows over a pass of the queue (read
+        # alone, 100 items a second: a rate); the count says the queue stands.
+        pace.offered(4, t + 0.001, waited_s=min(t, 3.0), seconds_per_item=ITEM_S, waiting=56)
+        assert not pace.behind(t + 0.001, ITEM_S)
+    # A queue for the threads that grows every window is a rate.
+    waiting = 56
+    while t < 8.0:
+        t += 4 * ITEM_S
+        waiting += 1
+        pace.answered(4, t)
+        pace.offered(4, t + 0.001, waiting=waiting)
+    assert pace.behind(t + 0.001, ITEM_S)
+
+
 def test_arrivals_that_outrun_the_answers_put_the_service_behind_and_it_recovers() -> None:
     pace = Pace()
     t, verdicts = 0.0, []

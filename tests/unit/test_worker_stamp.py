@@ -6,7 +6,7 @@ import threading
 from typing import Any
 
 from service.host.worker import StampedApp
-from service.http.arrival import ARRIVAL_ENVIRON_KEY
+from service.http.arrival import ARRIVAL_ENVIRON_KEY, WAITING_ENVIRON_KEY
 
 
 class _App:
@@ -28,6 +28,16 @@ def test_the_stamp_of_the_thread_reaches_the_environ() -> None:
     arrivals.at = None
     stamped({}, lambda *a: None)
     assert ARRIVAL_ENVIRON_KEY not in app.environ
+
+
+def test_the_requests_waiting_for_a_thread_reach_the_environ_where_the_worker_counts_them() -> None:
+    app, arrivals = _App(), threading.local()
+    stamped = StampedApp(app, arrivals)
+    stamped({}, lambda *a: None)
+    assert WAITING_ENVIRON_KEY not in app.environ  # gevent counts none: the pace uses the wait
+    arrivals.waiting = 56
+    stamped({}, lambda *a: None)
+    assert app.environ[WAITING_ENVIRON_KEY] == 56
 
 
 def test_the_hooks_still_find_the_apps_extensions() -> None:
