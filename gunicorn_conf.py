@@ -23,7 +23,7 @@ from service.host.slots import SlotTable
 from service.host.worker import BalancedThreadWorker
 from service.logs import logging_config
 from service.model_spec import check_spec, default_onednn_cache, weights
-from service.precision_spec import check_device
+from service.precision_spec import check_device, cpu_flags
 from service.settings import Settings, cuda_visible_devices
 from service.topology.inventory import first_inventory
 from service.topology.plan import plan as plan_topology
@@ -177,7 +177,8 @@ def _check_model():
         sys.exit(f"gunicorn_conf.py: {exc}")
     if settings.onednn_cache is None:
         # The largest any of the models asks for: the cache is the worker's, shared by its models.
-        cache = max(default_onednn_cache(entry.spec) for entry in settings.models)
+        flags = cpu_flags()
+        cache = max(default_onednn_cache(entry.spec, settings.precision, flags) for entry in settings.models)
         plan = dataclasses.replace(plan, onednn_cache=cache)
 
 

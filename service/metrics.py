@@ -205,12 +205,14 @@ class Metrics(BatchObserver):
             r,
             "serve_model_info",
             "1 per live worker and model it serves, labelled with its served name (model), its own name, "
-            "its task and precision.",
+            "its task, its precision and why it runs in it (precision_reason: asked, or what auto "
+            "found, docs/models.md).",
             "slot",
             "model",
             "name",
             "task",
             "precision",
+            "precision_reason",
             per_worker=True,
         )
         # What reduced precision cost, against float32 on the sample items (service.models.precision).
@@ -365,8 +367,8 @@ class Metrics(BatchObserver):
     def on_model_loaded(self, device: str, seconds: float) -> None:
         self._unnamed.on_model_loaded(device, seconds)
 
-    def on_model_info(self, name: str, task: str, precision: str = "float32") -> None:
-        self._unnamed.on_model_info(name, task, precision)
+    def on_model_info(self, name: str, task: str, precision: str = "float32", reason: str = "asked") -> None:
+        self._unnamed.on_model_info(name, task, precision, reason)
 
     def on_precision(self, exactness: dict[str, float]) -> None:
         self._unnamed.on_precision(exactness)

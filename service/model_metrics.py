@@ -133,11 +133,11 @@ class ModelMetrics(BatchObserver):
             m.model_load.labels(m.slot, series.model).set(seconds)
         m.model_loaded(device)
 
-    def on_model_info(self, name: str, task: str, precision: str = "float32") -> None:
+    def on_model_info(self, name: str, task: str, precision: str = "float32", reason: str = "asked") -> None:
         m = self._metrics
         # `name` is the model's own; the label is the served name, the same for a named observer's.
         model = self._series.model if self._series is not None else self._bind(name).model
-        m.model_info.labels(m.slot, model, name, task, precision).set(1)
+        m.model_info.labels(m.slot, model, name, task, precision, reason).set(1)
 
     def on_precision(self, exactness: dict[str, float]) -> None:
         m, model = self._metrics, self._bound().model

@@ -17,6 +17,7 @@ from typing import Any
 
 from service.errors import SettingsError
 from service.image_spec import PREPROCESS_FILE, PROGRAM_FILES, program_file, read_image_spec
+from service.precision_spec import AUTO, BFLOAT16, ONEDNN_DEFAULT_CACHE, auto_choice
 
 BUILTIN = ("minilm", "mlp")
 # .pt2 is a torch.export program; the others are TorchScript.
@@ -81,8 +82,13 @@ def check_spec(spec: str) -> str:
 # oneDNN's own default capacity. An image model's inputs have one size, so its
 # convolutions' primitives, one per batch size, are found again in the cache; a
 # text model's have a new shape at nearly every call, and its cache only grows
-# the worker (docs/reliability.md, "Memory").
-FIXED_SHAPE_ONEDNN_CACHE = 1024
+# the worker (docs/reliability.md, "Memory"), unless its shapes are bounded, as
+# they are wherever the cache is on (service.models.shapes).
+FIXED_SHAPE_ONEDNN_CACHE = ONEDNN_DEFAULT_CACHE
+# bfloat16's matrix products are oneDNN primitives, rebuilt at every call with
+# no cache: slower than float32. MiniLM's bounded shapes (64 rows, 256 tokens)
+# need about 300; the default holds them with room for a longer model's.
+BFLOAT16_ONEDNN_CACHE = ONEDNN_DEFAULT_CACHE
 
 
 @dataclass(frozen=True)
@@ -131,11 +137,36 @@ def _directory_weights(path: Path, *, reducible: bool) -> Weights:
     return Weights(size, 2 if stored in ("float16", "bfloat16") else 4, reducible)
 
 
-def default_onednn_cache(spec: str) -> int:
-    """SERVE_ONEDNN_CACHE when unset: oneDNN's own for an image model directory, else none."""
-    if kind(spec) == "directory" and directory_task(Path(spec)) == "image":
+def default_onednn_cache(spec: str, precision: str, cpu_flags: frozenset[str]) -> int:
+    """SERVE_ONEDNN_CACHE when unset: oneDNN's own for an image model or a text model served in bfloat16.
+
+    ``precision`` is SERVE_PRECISION as set: a text model runs in bfloat16 when
+    asked by name, or by ``auto`` on a processor with native bfloat16
+    (service.precision_spec.auto_choice, given the cache it would have). A
+    precision check may still keep float32; its shapes are bounded all the same.
+    """
+    task = spec_task(spec)
+    if task == "image":
         return FIXED_SHAPE_ONEDNN_CACHE
-    return 0
+    found = weights(spec)
+    reducible = task is not None and found is not None and found.reducible
+    if precision == AUTO and reducible and task is not None:
+        precision = auto_choice(
+            device="cpu", task=task, reducible=True, cpu_flags=cpu_flags, onednn_cache=BFLOAT16_ONEDNN_CACHE
+        ).precision
+    return BFLOAT16_ONEDNN_CACHE if reducible and precision == BFLOAT16 else 0
+
+
+def spec_task(spec: str) -> str | None:
+    """The task ``spec``'s model serves, where its files tell (the default model, a directory); else None."""
+    if spec == "minilm":
+        return "embeddings"
+    if kind(spec) != "directory":
+        return None
+    try:
+        return directory_task(Path(spec))
+    except SettingsError:
+        return None
 
 
 def directory_task(path: Path) -> str:

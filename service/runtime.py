@@ -44,8 +44,9 @@ from service.host import preload
 from service.model_list import ModelEntry
 from service.models import Model, describe, load_model
 from service.models.base import Outputs, item_sizer, sample_item, task_of
-from service.models.precision import Outcome, finish
+from service.models.precision import Outcome, finish, onednn_cache_capacity
 from service.models.precision_cache import settle
+from service.models.shapes import ShapeSteps
 from service.outputs import check_outputs, client_error
 from service.settings import Settings
 
@@ -172,12 +173,14 @@ class ModelRuntime:
             self.load_error = f"model {self.label!r} failed to load: {type(exc).__name__}: {exc}"
             return
         self.load_seconds = time.monotonic() - started
+        bound_shapes(model, self.settings, self.device)
         batcher = new_batcher(
             self.settings, model, observer=self.observer, admission=self.admission, model_time=self.model_time
         )
         # First: an observer made without a name takes the model's from it (Metrics.for_model).
         precision = self.precision.precision if self.precision is not None else "float32"
-        notify(self.observer.on_model_info, own_name, task_of(model), precision)
+        reason = self.precision.code if self.precision is not None else "asked"
+        notify(self.observer.on_model_info, own_name, task_of(model), precision, reason)
         batcher.start()
         self.model, self.batcher = model, batcher
         notify(self.observer.on_model_loaded, model.device, self.load_seconds)
@@ -254,6 +257,7 @@ def new_batcher(
     scripts/bench/offline.py builds the same one to measure the batcher without HTTP.
     """
     sizer = item_sizer(model)
+    shapes = getattr(model, "shapes", None)  # bound_shapes's, if any
     return Batcher(
         model.predict,
         max_batch_size=settings.max_batch_size,
@@ -264,20 +268,47 @@ def new_batcher(
         observer=observer,
         sizer=sizer,
         max_tokens=settings.max_batch_tokens,
-        cost=None if sizer is None else _calibrated(model, sizer, settings.max_batch_size),
+        cost=None if sizer is None else _calibrated(model, sizer, settings.max_batch_size, shapes),
         admission=admission,
         model_time=model_time,
     )
 
 
-def _calibrated(model: Model, size: Callable[[Any], int], max_rows: int) -> CostModel:
+def _calibrated(
+    model: Model, size: Callable[[Any], int], max_rows: int, shapes: ShapeSteps | None
+) -> CostModel:
     """The batch cost measured on sample items, before the batch thread starts."""
     rng = random.Random(0)  # noqa: S311 - sample texts, not secrets
     try:
         items = [model.prepare(sample_item(describe(model), rng)) for _ in range(16)]
     except ValueError:
         items = []  # no sample items for this kind: the cost is learnt from live batches
-    return calibrate(model.predict, items, size, max_rows=max_rows)
+    cost = CostModel(shape=shapes.shape if shapes is not None else None)
+    return calibrate(model.predict, items, size, max_rows=max_rows, cost=cost)
+
+
+def bound_shapes(model: Model, settings: Settings, device: str) -> None:
+    """Pad a text model's calls to a few shapes where the worker's oneDNN cache is on (service.models.shapes).
+
+    With the cache on (bfloat16's default, or SERVE_ONEDNN_CACHE set), every
+    new shape is a kernel the cache keeps: bounded shapes keep the worker's
+    memory flat. With it off (float32's default) nothing is kept, and padding
+    would only cost time.
+    """
+    bound = getattr(model, "bound_shapes", None)
+    cache = onednn_cache_capacity()
+    if device != "cpu" or cache <= 0 or not callable(bound):
+        return
+    steps: ShapeSteps = bound(settings.max_batch_size)
+    log.info(
+        "model %s: calls padded to %d row counts (up to %d) and lengths in multiples of %d tokens, "
+        "for the oneDNN cache of %d primitives",
+        model.name,
+        len(steps.rows),
+        steps.rows[-1],
+        steps.multiple,
+        cache,
+    )
 
 
 def configure_torch(threads: int | None) -> None:

@@ -217,8 +217,8 @@ class BatchObserver:
     def on_model_loaded(self, device: str, seconds: float) -> None:
         pass
 
-    def on_model_info(self, name: str, task: str, precision: str = "float32") -> None:
-        """The loaded model's name, task (models.base.task_of) and precision, from the loader thread."""
+    def on_model_info(self, name: str, task: str, precision: str = "float32", reason: str = "asked") -> None:
+        """The loaded model's name, task (models.base.task_of), precision and why, from the loader thread."""
 
     def on_precision(self, exactness: dict[str, float]) -> None:
         """How far the precision in use is from float32 on the sample items (empty for float32)."""
@@ -986,7 +986,7 @@ class Batcher:
     def _run_entries(self, batch: _Assembly, entries: list[tuple[int, int, int]]) -> int:
         """One model call on ``entries``; answers the requests it completes. Returns its padded tokens."""
         items = batch.items(entries)
-        padded = len(entries) * max(size for size, _, _ in entries)
+        padded = self.cost.tokens(len(entries), max(size for size, _, _ in entries))
         started = time.monotonic()
         outputs = self._call(items)
         if isinstance(outputs, ServeError):

@@ -45,7 +45,7 @@ def calibrate(
         return cost
     for rows in (r for r in ROWS if r <= max_rows):
         batch = [items[k % len(items)] for k in range(rows)]
-        padded = rows * max(size(item) for item in batch)
+        padded = cost.tokens(rows, max(size(item) for item in batch))
         try:
             predict(batch)
             times = []

@@ -19,8 +19,12 @@ call may need.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+
+# A model's padded call shape for (rows, longest), where it pads further than
+# its longest item (service.models.shapes); None: rows times longest.
+Shape = Callable[[int, int], tuple[int, int]]
 
 # The dynamic programme looks back at most this many rows per sub-batch, so a
 # batch of thousands of tiny items costs O(n * 512) to plan, not O(n^2); past
@@ -40,9 +44,17 @@ class Cost:
     overhead_s: float
     per_token_s: float
     largest: float = math.inf
+    shape: Shape | None = None
 
     def of(self, rows: int, longest: int) -> float:
-        return self.overhead_s + self.per_token_s * min(rows * longest, self.largest)
+        return self.overhead_s + self.per_token_s * min(self.tokens(rows, longest), self.largest)
+
+    def tokens(self, rows: int, longest: int) -> int:
+        """The padded tokens a call of ``rows`` items, the longest ``longest``, runs."""
+        if self.shape is None:
+            return rows * longest
+        padded_rows, length = self.shape(rows, longest)
+        return padded_rows * length
 
 
 class CostModel:
@@ -55,10 +67,11 @@ class CostModel:
     starts, the loader thread) touches it.
     """
 
-    def __init__(self, decay: float = 0.98) -> None:
+    def __init__(self, decay: float = 0.98, shape: Shape | None = None) -> None:
         if not 0 < decay <= 1:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         self._decay = decay
+        self.shape = shape
         self._w = self._x = self._y = self._xx = self._xy = 0.0
         self._largest = 0.0  # the largest call seen, in padded tokens
 
@@ -78,17 +91,21 @@ class CostModel:
     def observed(self) -> bool:
         return self._w > 0
 
+    def tokens(self, rows: int, longest: int) -> int:
+        """The padded tokens of a call, as the model pads it (what ``observe`` takes)."""
+        return Cost(0.0, 0.0, shape=self.shape).tokens(rows, longest)
+
     def estimate(self) -> Cost | None:
         """The fitted cost, or None before any observation."""
         if self._w == 0:
             return None
         line = self._line()
         if line is not None:
-            return line
+            return replace(line, shape=self.shape)
         # Every call the same size so far (or a line that falls): the time per
         # token of what was seen, no overhead. Cuts then only avoid padding.
         mean_x, mean_y = self._x / self._w, self._y / self._w
-        return Cost(0.0, mean_y / mean_x if mean_x > 0 else 0.0)
+        return Cost(0.0, mean_y / mean_x if mean_x > 0 else 0.0, shape=self.shape)
 
     def floor(self) -> Cost | None:
         """The least a call may cost given what was seen, for a decision to refuse; None before any.
@@ -127,7 +144,8 @@ def cut(sizes: Sequence[int], cost: Cost, *, max_tokens: int, max_rows: int) -> 
 
     Each range holds at most ``max_rows`` items and at most ``max_tokens``
     padded tokens (rows times its longest item); an item larger than the
-    budget alone runs alone. Ties go to fewer, longer sub-batches.
+    budget alone runs alone. Ties go to fewer, longer sub-batches. Rows and
+    padded tokens are counted as ``cost`` pads a call (``Cost.shape``).
     """
     n = len(sizes)
     if any(sizes[i] > sizes[i + 1] for i in range(n - 1)):
@@ -141,7 +159,7 @@ def cut(sizes: Sequence[int], cost: Cost, *, max_tokens: int, max_rows: int) -> 
         longest = sizes[end - 1]
         for start in range(end - 1, max(-1, end - 1 - limit), -1):
             rows = end - start
-            if rows > 1 and rows * longest > max_tokens:
+            if rows > 1 and cost.tokens(rows, longest) > max_tokens:
                 break  # longer ranges ending here only get bigger
             total = best[start] + cost.of(rows, longest)
             if total <= best[end]:

@@ -15,6 +15,7 @@ import torch
 
 from service.models.base import CLASSIFICATION
 from service.models.hf import (
+    BoundedShapes,
     Encoder,
     Tokens,
     check_text,
@@ -27,7 +28,7 @@ from service.models.hf import (
 )
 
 
-class SequenceClassifierModel:
+class SequenceClassifierModel(BoundedShapes):
     task = CLASSIFICATION
     item_kind = "text"
     item_shape: tuple[int, ...] | None = None
@@ -62,9 +63,9 @@ class SequenceClassifierModel:
         return len(item.ids)
 
     def predict(self, batch: list[Tokens]) -> list[list[dict[str, Any]]]:
-        features = pad(batch, self._pad_id, self.device)
+        features = pad(batch, self._pad_id, self.device, self.shapes)
         with torch.inference_mode():
-            logits = self._model(**features).logits.float()
+            logits = self._model(**features).logits[: len(batch)].float()
         if self._problem == "regression":
             scores = logits
         elif self._problem == "multi_label_classification":

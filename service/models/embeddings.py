@@ -17,6 +17,7 @@ import torch
 
 from service.models.base import EMBEDDINGS
 from service.models.hf import (
+    BoundedShapes,
     Encoder,
     Tokens,
     check_text,
@@ -28,7 +29,7 @@ from service.models.hf import (
 )
 
 
-class SentenceEmbeddingModel:
+class SentenceEmbeddingModel(BoundedShapes):
     task = EMBEDDINGS
     item_kind = "text"
 
@@ -75,8 +76,8 @@ class SentenceEmbeddingModel:
         return len(item.ids)
 
     def predict(self, batch: list[Tokens]) -> np.ndarray:
-        features = pad(batch, self._pad_id, self.device)
+        features = pad(batch, self._pad_id, self.device, self.shapes)
         with torch.inference_mode():
-            embeddings = self._model(features)["sentence_embedding"]
+            embeddings = self._model(features)["sentence_embedding"][: len(batch)]
         out: np.ndarray = embeddings.float().cpu().numpy()
         return out

@@ -17,6 +17,7 @@ import torch
 
 from service.models.base import FILL_MASK
 from service.models.hf import (
+    BoundedShapes,
     Encoder,
     Tokens,
     check_text,
@@ -35,7 +36,7 @@ TOP_K = 5
 MAX_MASKS = 16
 
 
-class MaskedLMModel:
+class MaskedLMModel(BoundedShapes):
     task = FILL_MASK
     item_kind = "text"
     item_shape: tuple[int, ...] | None = None
@@ -86,7 +87,8 @@ class MaskedLMModel:
         return len(item.ids)
 
     def predict(self, batch: list[Tokens]) -> list[Any]:
-        features = pad(batch, self._pad_id, self.device)
+        # Rows past the batch's own (self.shapes) are never read below.
+        features = pad(batch, self._pad_id, self.device, self.shapes)
         with torch.inference_mode():
             logits = self._model(**features).logits
         outputs = []

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from service.models.base import MAX_TEXT_CHARS, json_type
+from service.models.shapes import ShapeSteps, steps_for
 
 log = logging.getLogger(__name__)
 
@@ -164,9 +165,33 @@ def _core_copy(tokenizer: Any) -> Any:
     return Tokenizer.from_str(core.to_str())
 
 
-def pad(batch: list[Tokens], pad_id: int, device: str) -> dict[str, torch.Tensor]:
-    """The batch as a model's keyword arguments, padded on the right to its longest item."""
+class BoundedShapes:
+    """A tokenized kind's call shapes: bounded once the worker's oneDNN cache is on (service.models.shapes).
+
+    ``predict`` pads with ``shapes`` and keeps the outputs of the batch's own rows.
+    """
+
+    shapes: ShapeSteps | None = None
+
+    def bound_shapes(self, max_rows: int) -> ShapeSteps:
+        # Each kind's truncation length: a call is never padded past what an item may be.
+        self.shapes = steps_for(max_rows, getattr(self, "_max_length", None))
+        return self.shapes
+
+
+def pad(
+    batch: list[Tokens], pad_id: int, device: str, shapes: ShapeSteps | None = None
+) -> dict[str, torch.Tensor]:
+    """The batch as a model's keyword arguments, padded on the right to its longest item.
+
+    With ``shapes``, to the call shape they give: rows past the batch's own
+    repeat its last item (a real input, whose outputs the caller drops), so
+    that no row is padding alone with no token to attend to.
+    """
     longest = max(len(item.ids) for item in batch)
+    if shapes is not None:
+        rows, longest = shapes.shape(len(batch), longest)
+        batch = batch + [batch[-1]] * (rows - len(batch))
     ids = np.full((len(batch), longest), pad_id, dtype=np.int64)
     mask = np.zeros((len(batch), longest), dtype=np.int64)
     for row, item in enumerate(batch):

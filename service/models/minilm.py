@@ -20,12 +20,13 @@ import numpy as np
 import torch
 
 from service.models.base import EMBEDDINGS, MAX_TEXT_CHARS, json_type
-from service.models.hf import Encoder, Tokens, in_float32
+from service.models.hf import BoundedShapes, Encoder, Tokens, in_float32
+from service.models.shapes import ShapeSteps
 
 MAX_CHARS = MAX_TEXT_CHARS
 
 
-class MiniLMModel:
+class MiniLMModel(BoundedShapes):
     name = "all-MiniLM-L6-v2"
     task = EMBEDDINGS
     item_kind = "text"
@@ -102,15 +103,20 @@ class MiniLMModel:
     def predict(self, batch: list[Any]) -> np.ndarray:
         """Embeddings of prepared items (or plain strings, tokenized here)."""
         encoded = [item if isinstance(item, Tokens) else self._encode(item) for item in batch]
-        ids, mask = self._pad(encoded)
+        ids, mask = self._pad(encoded, self.shapes)
         with torch.inference_mode():
-            embeddings = self._embed(ids, mask)
+            embeddings = self._embed(ids, mask)[: len(batch)]
         out: np.ndarray = embeddings.float().cpu().numpy()
         return out
 
-    def _pad(self, batch: list[Tokens]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids and attention mask, padded to the batch's longest item."""
+    def _pad(
+        self, batch: list[Tokens], shapes: ShapeSteps | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and attention mask, padded to the batch's longest item (to ``shapes``, as hf.pad)."""
         longest = max(len(item.ids) for item in batch)
+        if shapes is not None:
+            rows, longest = shapes.shape(len(batch), longest)
+            batch = batch + [batch[-1]] * (rows - len(batch))
         ids = np.full((len(batch), longest), self._pad_id, dtype=np.int64)
         mask = np.zeros((len(batch), longest), dtype=np.int64)
         for row, item in enumerate(batch):

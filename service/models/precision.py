@@ -16,6 +16,11 @@ choice moves MiniLM's embeddings from a median cosine of 0.94 to 0.99, so the
 layers whose quantization alone moves the outputs most stay in float32, as few
 as the floor allows (docs/models.md, "Precision").
 
+``auto`` picks bfloat16 on a CPU with AMX (service.precision_spec.auto_choice)
+and holds it to a stricter floor than an explicit request (AUTO_FLOOR): a
+precision nobody asked for keeps every clear top answer. On a CPU with
+avx512_bf16 and no AMX it must also measure faster than float32 on the samples.
+
 int8 is torch's own dynamic quantization (``quantize_dynamic``, one scale per
 output channel, fbgemm's x86 kernels). torchao's int8 runs about five times
 slower than float32 on a CPU unless the model is compiled (docs/benchmarks.md).
@@ -27,6 +32,7 @@ import copy
 import dataclasses
 import math
 import statistics
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +43,7 @@ import numpy as np
 
 from service.models.base import CLASSIFICATION, EMBEDDINGS, FILL_MASK, RERANK
 from service.precision_spec import (  # the rules the master checks too
+    AMX_FLAG,
     AUTO,
     BFLOAT16,
     BFLOAT16_FLAGS,
@@ -45,13 +52,17 @@ from service.precision_spec import (  # the rules the master checks too
     INT8,
     PRECISIONS,
     TEXT_TASKS,
+    AutoChoice,
+    auto_choice,
     check_device,
     cpu_flags,
+    onednn_cache_capacity,
     resolve,
 )
 
 # What the workers use of the rules, from here as from service.precision_spec.
 __all__ = [
+    "AMX_FLAG",
     "AUTO",
     "BFLOAT16",
     "BFLOAT16_FLAGS",
@@ -60,8 +71,11 @@ __all__ = [
     "INT8",
     "PRECISIONS",
     "TEXT_TASKS",
+    "AutoChoice",
+    "auto_choice",
     "check_device",
     "cpu_flags",
+    "onednn_cache_capacity",
     "resolve",
 ]
 
@@ -87,6 +101,37 @@ class Floor:
     median_cosine: float = 0.98
     top1_agreement: float = 0.95
     max_score_diff: float = 0.1
+    # Rerank: the share of sample queries whose top document leads by more than
+    # twice the largest score move (see compare); below it the samples cannot
+    # tell rounding from a tie. An explicit request does not ask for any.
+    clear_share: float = 0.0
+    # Rerank: the share of those queries that must keep their top document.
+    top1_where_clear: float = 0.95
+
+    def stricter(self, other: Floor) -> Floor:
+        """The stricter of the two floors, field by field."""
+        return Floor(
+            min_cosine=max(self.min_cosine, other.min_cosine),
+            median_cosine=max(self.median_cosine, other.median_cosine),
+            top1_agreement=max(self.top1_agreement, other.top1_agreement),
+            max_score_diff=min(self.max_score_diff, other.max_score_diff),
+            clear_share=max(self.clear_share, other.clear_share),
+            top1_where_clear=max(self.top1_where_clear, other.top1_where_clear),
+        )
+
+
+# What ``auto`` holds a reduced network to, above an explicit request's floor:
+# a precision nobody asked for must not be seen in the answers. bfloat16 on
+# MiniLM measures a min cosine of 0.99994 on the samples and 0.9999 on the
+# corpus (docs/benchmarks.md); a top label, token or clear top document must
+# not move.
+AUTO_FLOOR = Floor(
+    min_cosine=0.999,
+    median_cosine=0.999,
+    top1_agreement=0.99,
+    clear_share=0.5,
+    top1_where_clear=1.0,
+)
 
 
 @dataclass(frozen=True)
@@ -102,9 +147,20 @@ class Outcome:
     kept_float32: tuple[str, ...] = ()
     # Why a reduced precision was asked for (or chosen) and float32 is in use instead.
     fallback: str | None = None
+    # Why ``auto`` aimed where it did (service.precision_spec.auto_choice); None when asked for by name.
+    reason: str | None = None
+    # The reduced network's speed over float32's on the sample items, where it was measured.
+    speedup: float | None = None
+    # Why in a word, for the metrics: "asked" (by name), auto's code (AutoChoice),
+    # or what made the check keep float32 ("exactness", "slower", "check_failed").
+    code: str = "asked"
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"requested": self.requested, "in_use": self.precision}
+        if self.reason is not None:
+            out["reason"] = self.reason
+        if self.speedup is not None:
+            out["speedup_vs_float32"] = round(self.speedup, 3)
         if self.exactness:
             out["exactness"] = {name: round(value, 6) for name, value in self.exactness.items()}
         if self.quantized:
@@ -118,6 +174,10 @@ class Outcome:
         """One line for the start log."""
         figures = ", ".join(f"{name} {value:.4f}" for name, value in self.exactness.items())
         line = f"precision {self.precision} (asked: {self.requested})"
+        if self.reason is not None:
+            line += f"; {self.reason}"
+        if self.speedup is not None:
+            line += f"; measured {self.speedup:.2f}x float32's speed on the sample items"
         if figures:
             line += f"; against float32 on the sample items: {figures}"
         if self.quantized:
@@ -135,8 +195,12 @@ def compare(task: str, reference: Any, reduced: Any, group: int = 1) -> dict[str
     """How far ``reduced`` outputs are from float32's ``reference``, in the task's own terms.
 
     Embeddings: the smallest and median cosine. Rerank: the largest score
-    difference, and how often the top document of each query (``group``
-    consecutive pairs) is the same. Classification: the largest difference in
+    difference, how often the top document of each query (``group``
+    consecutive pairs) is the same, the share of queries whose top document
+    leads clearly (by more than twice the largest move: no two moves that
+    large, one down and one up, could reorder it), and how often those keep
+    it. A query without such a lead cannot tell rounding from a tie, so it
+    is not counted there. Classification: the largest difference in
     a label's score and how often the top label is the same. Fill-mask: how
     often the top proposition is the same token string.
     """
@@ -148,18 +212,19 @@ def compare(task: str, reference: Any, reduced: Any, group: int = 1) -> dict[str
     if task == RERANK:
         ref, red = np.asarray(reference, dtype=np.float64), np.asarray(reduced, dtype=np.float64)
         moved = float(np.abs(ref - red).max())
-        agree, safe = [], []
+        agree, clear = [], []
         for q in range(len(ref) // group):
             scores, reduced_scores = ref[q * group : (q + 1) * group], red[q * group : (q + 1) * group]
             same = bool(np.argmax(scores) == np.argmax(reduced_scores))
             agree.append(same)
-            # Its top document leads by more than twice the largest move: no two
-            # moves that large, one down and one up, could reorder it.
-            safe.append(same and _lead(scores) > 2 * moved)
+            if _lead(scores) > 2 * moved:
+                clear.append(same)
         return {
             "max_score_diff": moved,
             "top1_agreement": statistics.fmean(agree),
-            "top1_kept_with_margin": statistics.fmean(safe),
+            "clear_share": len(clear) / max(1, len(agree)),
+            # Vacuous without clear queries: clear_share's floor speaks for them.
+            "top1_where_clear": statistics.fmean(clear) if clear else 1.0,
         }
     if task == CLASSIFICATION:
         diffs: list[float] = []
@@ -215,34 +280,49 @@ def on_samples(floor: Floor) -> Floor:
     )
 
 
-def shortfall(figures: dict[str, float], floor: Floor, asked: Floor | None = None) -> str | None:
+def shortfall(
+    figures: dict[str, float], floor: Floor, asked: Floor | None = None, configured: Floor | None = None
+) -> str | None:
     """Why ``figures`` fall below ``floor`` (naming the setting), or None if they do not.
 
-    ``asked`` is the floor as set, where ``floor`` is what the samples must meet (``on_samples``).
+    ``asked`` is the floor as set, where ``floor`` is what the samples must meet
+    (``on_samples``); ``configured`` is the settings' floor, where ``auto``
+    asked for a stricter one (AUTO_FLOOR).
     """
     asked = asked or floor
-    # (figure, the floor's field it is held to, its setting, whether the figure must be at least it)
+    configured = configured or asked
+    # (figure, its setting, whether the figure must be at least the floor's field of the same name)
     limits = (
-        ("min_cosine", "min_cosine", "SERVE_PRECISION_MIN_COSINE", True),
-        ("median_cosine", "median_cosine", "SERVE_PRECISION_MEDIAN_COSINE", True),
-        ("top1_agreement", "top1_agreement", "SERVE_PRECISION_MIN_TOP1", True),
-        # A rerank's top document must also lead by a margin the reduced scores cannot close:
-        # a few sample queries say little of how often queries like them flip (see compare).
-        ("top1_kept_with_margin", "top1_agreement", "SERVE_PRECISION_MIN_TOP1", True),
-        ("max_score_diff", "max_score_diff", "SERVE_PRECISION_MAX_SCORE_DIFF", False),
+        ("min_cosine", "SERVE_PRECISION_MIN_COSINE", True),
+        ("median_cosine", "SERVE_PRECISION_MEDIAN_COSINE", True),
+        ("top1_agreement", "SERVE_PRECISION_MIN_TOP1", True),
+        # Too few clear queries cannot vouch for the others (see compare).
+        ("clear_share", None, True),
+        ("top1_where_clear", "SERVE_PRECISION_MIN_TOP1", True),
+        ("max_score_diff", "SERVE_PRECISION_MAX_SCORE_DIFF", False),
     )
-    for name, field_name, setting, at_least in limits:
+    for name, setting, at_least in limits:
         value = figures.get(name)
         if value is None:
             continue
         if not math.isfinite(value):
             return f"{name} is {value}: the reduced network's outputs are not finite"
-        limit = getattr(floor, field_name)
+        limit = getattr(floor, name)
         if (value < limit) if at_least else (value > limit):
             relation = "under" if at_least else "over"
-            set_to = getattr(asked, field_name)
-            source = f"{setting}={set_to:g}" + (", with a reserve for the tail" if set_to != limit else "")
-            return f"{name} {value:.4f} is {relation} {limit:g} on the samples ({source})"
+            set_to = getattr(asked, name)
+            if setting is None or set_to != getattr(configured, name):
+                source = f"auto's floor {set_to:g}"
+            else:
+                source = f"{setting}={set_to:g}"
+            source += ", with a reserve for the tail" if set_to != limit else ""
+            why = f"{name} {value:.4f} is {relation} {limit:g} on the samples ({source})"
+            if name == "clear_share":
+                why += (
+                    ": too few sample queries' top documents lead by more than twice the largest "
+                    "score move to tell rounding from a tie"
+                )
+            return why
     return None
 
 
@@ -385,6 +465,8 @@ class Choice:
     fallback: str | None = None
     # The check itself failed (not the floor): not kept for other workers, which check afresh.
     failed: bool = False
+    # The reduced network's speed over float32's on the samples, where the check measured it.
+    speedup: float | None = None
 
 
 def check(
@@ -393,10 +475,17 @@ def check(
     precision: str,
     floor: Floor,
     run: Callable[[list[Any]], Any] | None = None,
+    *,
+    configured: Floor | None = None,
+    measure: bool = False,
 ) -> Choice:
     """Try ``precision`` on ``model`` (a Reducible) against float32; the model is left as chosen.
 
-    ``run`` predicts prepared items (the model's own predict by default). Once
+    ``floor`` is what the outputs must meet; ``configured``, the settings'
+    floor, where ``auto`` asked for a stricter one (only the messages differ).
+    ``measure`` keeps a reduced float network only if it also runs the sample
+    items at least MIN_SPEEDUP times as fast as float32 (``auto`` on a CPU
+    whose bfloat16 may be slower). ``run`` predicts prepared items (the model's own predict by default). Once
     a reduced network is kept the float32 one is dropped: a settled worker
     holds one network. Whatever fails during the check (a sample the model
     refuses, a copy that does not fit, a reduced network that raises) leaves
@@ -406,7 +495,10 @@ def check(
     original = None
     try:
         original = model.network()
-        return _settled(model, _search(model, task, precision, floor, run=run, original=original))
+        choice = _search(
+            model, task, precision, floor, run=run, original=original, configured=configured, measure=measure
+        )
+        return _settled(model, choice)
     except Exception as exc:  # any failure of the check falls back to float32, with its reason
         if original is not None:
             model.use_network(original)
@@ -415,7 +507,15 @@ def check(
 
 
 def _search(
-    model: Any, task: str, precision: str, asked: Floor, *, run: Callable[[list[Any]], Any], original: Any
+    model: Any,
+    task: str,
+    precision: str,
+    asked: Floor,
+    *,
+    run: Callable[[list[Any]], Any],
+    original: Any,
+    configured: Floor | None = None,
+    measure: bool = False,
 ) -> Choice:
     floor = on_samples(asked)
     raw, group = sample_items(task, getattr(model, "mask_token", None) or "[MASK]")
@@ -431,14 +531,20 @@ def _search(
         if not finite(outputs):
             return {}, f"the {precision} network's outputs are not finite"
         figures = compare(task, reference, outputs, group)
-        return figures, shortfall(figures, floor, asked)
+        return figures, shortfall(figures, floor, asked, configured)
 
     if precision != INT8:
-        figures, why = measured(reduced(original, precision))
+        candidate = reduced(original, precision)
+        figures, why = measured(candidate)
+        speedup = None
+        if why is None and measure:
+            speedup = _speedup(model, items, run, original, candidate)
+            if speedup < MIN_SPEEDUP:
+                why = f"it ran the sample items at {speedup:.2f}x float32's speed, under {MIN_SPEEDUP:g}x"
         if why is None:
-            return Choice(precision, exactness=figures)
+            return Choice(precision, exactness=figures, speedup=speedup)
         model.use_network(original)
-        return Choice(FLOAT32, fallback=f"{precision} falls back to float32: {why}")
+        return Choice(FLOAT32, fallback=f"{precision} falls back to float32: {why}", speedup=speedup)
 
     every = linear_layers(original)
     figures, why = measured(reduced(original, INT8, every))
@@ -473,6 +579,30 @@ def _search(
     model.use_network(reduced(original, INT8, order[:count]))
     kept = tuple(name for name in every if name not in chosen)
     return Choice(INT8, tuple(name for name in every if name in chosen), figures, kept)
+
+
+# What a reduced network must gain to be kept where its speed is measured (as
+# SERVE_IMAGE_LAYOUT=auto asks of channels_last): timing noise on a busy
+# machine is a few percent, and a gain within it is not worth the rounding.
+MIN_SPEEDUP = 1.05
+
+
+def _speedup(
+    model: Any, items: list[Any], run: Callable[[list[Any]], Any], original: Any, candidate: Any
+) -> float:
+    """How many times float32's speed ``candidate`` runs ``items`` at; ``model`` is left on ``candidate``.
+
+    Each network runs the samples twice, in turns, after the check's own
+    (warming) passes; the faster pass of each counts.
+    """
+    best = {id(original): math.inf, id(candidate): math.inf}
+    for network in (candidate, original, candidate, original):
+        model.use_network(network)
+        started = time.perf_counter()
+        run(items)
+        best[id(network)] = min(best[id(network)], time.perf_counter() - started)
+    model.use_network(candidate)
+    return best[id(original)] / max(best[id(candidate)], 1e-9)
 
 
 def _prepared(model: Any, raw: list[Any], group: int) -> list[Any]:

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,21 @@ def floor_of(settings: Settings) -> p.Floor:
         median_cosine=settings.precision_median_cosine,
         top1_agreement=settings.precision_min_top1,
         max_score_diff=settings.precision_max_score_diff,
+        top1_where_clear=settings.precision_min_top1,
     )
+
+
+@dataclass(frozen=True)
+class Target:
+    """The precision to check a model in, the floor it is held to, and why ``auto`` aimed there."""
+
+    precision: str
+    floor: p.Floor
+    # The settings' floor, where ``auto`` holds the network to a stricter one.
+    configured: p.Floor
+    reason: str | None = None
+    code: str = "asked"
+    measure: bool = False
 
 
 def settle(model: Any, task: str, settings: Settings, device: str) -> p.Outcome:
@@ -49,17 +64,17 @@ def settle(model: Any, task: str, settings: Settings, device: str) -> p.Outcome:
 
     The model is then final: its ``network_settled`` has run (float32 included).
     """
-    target = _target(model, task, settings, device)
-    if target == p.FLOAT32:
+    target = _target(model, task, settings, device, os.environ)
+    if target.precision == p.FLOAT32:
         p.finish(model)
-        return p.Outcome(settings.precision, p.FLOAT32)
+        return p.Outcome(settings.precision, p.FLOAT32, reason=target.reason, code=target.code)
     choice = _choose(model, task, target, settings, device)
     if device.startswith("cuda"):
         import torch
 
         # The float32 network and the tried copies are gone; their blocks go back to the GPU.
         torch.cuda.empty_cache()
-    return _outcome(settings.precision, choice)
+    return _outcome(settings.precision, choice, target)
 
 
 def settle_before_fork(
@@ -72,41 +87,60 @@ def settle_before_fork(
     loads the model, checks it and leaves its choice, which is applied here.
     The model is left unfinished: each worker finishes it (``precision.finish``).
     """
-    target = _target(model, task, settings, "cpu")
-    if target == p.FLOAT32:
-        return p.Outcome(settings.precision, p.FLOAT32)
-    floor = floor_of(settings)
-    entry = _entry(settings, target, floor, "cpu") if settings.run_dir is not None else None
+    # The workers' environment: the oneDNN cache they will have decides what auto aims for.
+    environ = {**os.environ, **{k: v for k, v in check_env.items() if v is not None}}
+    target = _target(model, task, settings, "cpu", environ)
+    if target.precision == p.FLOAT32:
+        return p.Outcome(settings.precision, p.FLOAT32, reason=target.reason, code=target.code)
+    entry = _entry(settings, target, "cpu") if settings.run_dir is not None else None
     choice = _read(entry) if entry is not None else None
     if choice is None:
         choice = _check_in_child(settings, check_env)
     p.apply(model, choice, finish=False)
-    return _outcome(settings.precision, choice)
+    return _outcome(settings.precision, choice, target)
 
 
-def _choose(model: Any, task: str, target: str, settings: Settings, device: str) -> p.Choice:
+def _choose(model: Any, task: str, target: Target, settings: Settings, device: str) -> p.Choice:
     """The checked choice: this process's own, or the service's, shared through its directory."""
-    floor = floor_of(settings)
     if settings.run_dir is None:
-        return p.check(model, task, target, floor)
-    return _shared(model, task, target, floor, settings=settings, device=device)
+        return _check(model, task, target)
+    return _shared(model, task, target, settings=settings, device=device)
 
 
-def _target(model: Any, task: str, settings: Settings, device: str) -> str:
+def _check(model: Any, task: str, target: Target) -> p.Choice:
+    return p.check(
+        model, task, target.precision, target.floor, configured=target.configured, measure=target.measure
+    )
+
+
+def _target(model: Any, task: str, settings: Settings, device: str, environ: Mapping[str, str]) -> Target:
     # A kind may offer the methods and still hold a network it cannot swap (a
     # sentence-transformers directory whose first module is not a transformer).
     reducible = isinstance(model, p.Reducible) and bool(getattr(model, "reducible", True))
-    return p.resolve(
+    flags, cache = p.cpu_flags(), p.onednn_cache_capacity(environ)
+    configured = floor_of(settings)
+    precision = p.resolve(
         settings.precision,
         device=device,
         task=task,
         reducible=reducible,
-        cpu_flags=p.cpu_flags(),
+        cpu_flags=flags,
         name=model.name,
+        onednn_cache=cache,
     )
+    if settings.precision != p.AUTO:
+        return Target(precision, configured, configured)
+    auto = p.auto_choice(device=device, task=task, reducible=reducible, cpu_flags=flags, onednn_cache=cache)
+    # A GPU's float16 keeps the floor it always had; a CPU's bfloat16 is held to auto's.
+    floor = configured if device.startswith("cuda") else configured.stricter(p.AUTO_FLOOR)
+    return Target(precision, floor, configured, auto.reason, auto.code, auto.measure)
 
 
-def _outcome(requested: str, choice: p.Choice) -> p.Outcome:
+def _outcome(requested: str, choice: p.Choice, target: Target) -> p.Outcome:
+    code = target.code
+    if choice.fallback is not None:
+        slower = choice.speedup is not None and choice.speedup < p.MIN_SPEEDUP
+        code = "check_failed" if choice.failed else "slower" if slower else "exactness"
     return p.Outcome(
         requested,
         choice.precision,
@@ -114,28 +148,29 @@ def _outcome(requested: str, choice: p.Choice) -> p.Outcome:
         quantized=choice.layers,
         kept_float32=choice.kept_float32,
         fallback=choice.fallback,
+        reason=target.reason,
+        speedup=choice.speedup,
+        code=code,
     )
 
 
 # Bumped when an entry's fields change: an older entry is then another key, never misread.
-ENTRY_FORMAT = 1
+ENTRY_FORMAT = 2
 # How long a worker waits for another's check before it checks for itself.
 WAIT_S = 600.0
 
 
-def _shared(
-    model: Any, task: str, target: str, floor: p.Floor, *, settings: Settings, device: str
-) -> p.Choice:
-    entry = _entry(settings, target, floor, device)
+def _shared(model: Any, task: str, target: Target, *, settings: Settings, device: str) -> p.Choice:
+    entry = _entry(settings, target, device)
     with open(entry.with_suffix(".lock"), "w") as lock:
         # Held while the first worker checks: the others wait here, then read its entry.
         if not _take(lock, WAIT_S):
             log.warning("another worker's precision check took over %.0f s; checking here too", WAIT_S)
-            return p.check(model, task, target, floor)
+            return _check(model, task, target)
         try:
             choice = _read(entry)
             if choice is None:
-                choice = p.check(model, task, target, floor)
+                choice = _check(model, task, target)
                 if not choice.failed:  # a failure may be this worker's alone: the next one checks again
                     partial = entry.with_suffix(".partial")
                     partial.write_text(json.dumps(dataclasses.asdict(choice)))
@@ -149,8 +184,8 @@ def _shared(
     return choice
 
 
-def _entry(settings: Settings, target: str, floor: p.Floor, device: str) -> Path:
-    return Path(settings.run_dir or ".") / f"precision-{_key(settings.model, target, floor, device)}.json"
+def _entry(settings: Settings, target: Target, device: str) -> Path:
+    return Path(settings.run_dir or ".") / f"precision-{_key(settings.model, target, device)}.json"
 
 
 def _check_in_child(settings: Settings, env: Mapping[str, str | None]) -> p.Choice:
@@ -192,12 +227,12 @@ def main(argv: list[str]) -> int:
     configure_torch(settings.torch_threads)
     model = load_model(settings, "cpu", may_run=False)
     task = task_of(model)
-    choice = _choose(model, task, _target(model, task, settings, "cpu"), settings, "cpu")
+    choice = _choose(model, task, _target(model, task, settings, "cpu", os.environ), settings, "cpu")
     Path(argv[0]).write_text(json.dumps(dataclasses.asdict(choice)))
     return 0
 
 
-def _key(model: str, target: str, floor: p.Floor, device: str) -> str:
+def _key(model: str, target: Target, device: str) -> str:
     """Everything a choice depends on: the model and its files as they are now, the precision, the floor."""
     import torch
 
@@ -207,7 +242,8 @@ def _key(model: str, target: str, floor: p.Floor, device: str) -> str:
     stamp = [(file.name, file.stat().st_size, file.stat().st_mtime_ns) for file in files if file.is_file()]
     kind = device.split(":", maxsplit=1)[0]
     # Every worker resolves a relative SERVE_MODEL from the same directory.
-    parts = [ENTRY_FORMAT, model, stamp, target, kind, dataclasses.asdict(floor), torch.__version__]
+    floor = dataclasses.asdict(target.floor)
+    parts = [ENTRY_FORMAT, model, stamp, target.precision, kind, floor, target.measure, torch.__version__]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 

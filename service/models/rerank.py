@@ -21,6 +21,7 @@ import torch
 
 from service.models.base import RERANK, json_type
 from service.models.hf import (
+    BoundedShapes,
     Encoder,
     Tokens,
     check_text,
@@ -35,7 +36,7 @@ from service.models.hf import (
 log = logging.getLogger(__name__)
 
 
-class CrossEncoderModel:
+class CrossEncoderModel(BoundedShapes):
     task = RERANK
     item_kind = "text-pair"
     item_shape: tuple[int, ...] | None = None
@@ -80,9 +81,9 @@ class CrossEncoderModel:
         return len(item.ids)
 
     def predict(self, batch: list[Tokens]) -> np.ndarray:
-        features = pad(batch, self._pad_id, self.device)
+        features = pad(batch, self._pad_id, self.device, self.shapes)
         with torch.inference_mode():
-            logits = self._model(**features).logits.float()
+            logits = self._model(**features).logits[: len(batch)].float()
             scores = self._activation(logits).squeeze(-1)
         out: np.ndarray = scores.cpu().numpy()
         return out

@@ -1,0 +1,57 @@
+"""Bounded call shapes: a text model's batches padded to a few sizes, so oneDNN finds its kernels again.
+
+oneDNN, which runs bfloat16's matrix products on a CPU (AMX or avx512_bf16),
+builds a kernel ("primitive") for each whole shape it is called with and keeps
+it in a cache. Text batches of mixed length have a new shape at nearly every
+call: with the cache off every call builds its kernels again, and bfloat16 runs
+slower than float32; with it on, the cache fills with shapes seen once and the
+worker grows (a MiniLM worker from 0.9 to 3.7 GiB in six minutes). So where the
+worker's oneDNN cache is on, a call's rows are padded up to the next of a few
+steps (powers of two, up to SERVE_MAX_BATCH_SIZE) and its length up to a
+multiple of 16 tokens (an AMX tile's rows), never past the model's longest
+input. MiniLM at 64 rows and 256 tokens then has 108 shapes: about 300
+primitives, which oneDNN's default cache of 1024 holds (docs/reliability.md,
+"Memory"). Pure: no torch.
+
+The batcher's cost model reads the same shapes (service.batching.subbatch), so
+its cuts fall on the steps rather than one row past them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# AMX multiplies tiles of 16 rows; a length a multiple of it wastes none of a tile.
+LENGTH_MULTIPLE = 16
+
+
+@dataclass(frozen=True)
+class ShapeSteps:
+    """The row counts a call is padded up to, and the multiple its length is padded to."""
+
+    rows: tuple[int, ...]
+    multiple: int = LENGTH_MULTIPLE
+    # The model's longest input in tokens: a length is never padded past it.
+    limit: int | None = None
+
+    def shape(self, rows: int, longest: int) -> tuple[int, int]:
+        """The padded ``(rows, length)`` a call of ``rows`` items, the longest ``longest``, runs as."""
+        padded_rows = next((step for step in self.rows if step >= rows), rows)
+        length = -(-longest // self.multiple) * self.multiple
+        if self.limit is not None:
+            length = min(length, max(longest, self.limit))
+        return padded_rows, length
+
+    def tokens(self, rows: int, longest: int) -> int:
+        padded_rows, length = self.shape(rows, longest)
+        return padded_rows * length
+
+
+def steps_for(max_rows: int, limit: int | None, multiple: int = LENGTH_MULTIPLE) -> ShapeSteps:
+    """Powers of two below ``max_rows``, then ``max_rows`` itself: at most twice the rows, log2 steps."""
+    rows, step = [], 1
+    while step < max_rows:
+        rows.append(step)
+        step *= 2
+    rows.append(max_rows)
+    return ShapeSteps(tuple(rows), multiple, limit)
