@@ -103,9 +103,10 @@ class Floor:
     max_score_diff: float = 0.1
     # Rerank: the share of sample queries whose top document leads by more than
     # twice the largest score move (see compare); below it the samples cannot
-    # tell rounding from a tie. An explicit request does not ask for any.
-    clear_share: float = 0.0
-    # Rerank: the share of those queries that must keep their top document.
+    # tell rounding from a tie, and the reduced network is not kept.
+    clear_share: float = 0.5
+    # Rerank: the share of those queries that must keep their top document
+    # (SERVE_PRECISION_MIN_TOP1; a rerank's top1_agreement is not held to it).
     top1_where_clear: float = 0.95
 
     def stricter(self, other: Floor) -> Floor:
@@ -303,26 +304,25 @@ def shortfall(
     )
     for name, setting, at_least in limits:
         value = figures.get(name)
-        if value is None:
+        # A rerank query without a clear lead cannot tell rounding from a tie: its top is not counted.
+        if value is None or (name == "top1_agreement" and "top1_where_clear" in figures):
             continue
         if not math.isfinite(value):
             return f"{name} is {value}: the reduced network's outputs are not finite"
         limit = getattr(floor, name)
         if (value < limit) if at_least else (value > limit):
             relation = "under" if at_least else "over"
-            set_to = getattr(asked, name)
-            if setting is None or set_to != getattr(configured, name):
-                source = f"auto's floor {set_to:g}"
-            else:
-                source = f"{setting}={set_to:g}"
-            source += ", with a reserve for the tail" if set_to != limit else ""
-            why = f"{name} {value:.4f} is {relation} {limit:g} on the samples ({source})"
-            if name == "clear_share":
-                why += (
-                    ": too few sample queries' top documents lead by more than twice the largest "
-                    "score move to tell rounding from a tie"
+            if setting is None:  # clear_share: not a setting, the same for every request
+                return (
+                    f"{name} {value:.4f} is {relation} {limit:g} on the samples: too few sample queries' top "
+                    "documents lead by more than twice the largest score move to tell rounding from a tie"
                 )
-            return why
+            set_to = getattr(asked, name)
+            source = (
+                f"auto's floor {set_to:g}" if set_to != getattr(configured, name) else f"{setting}={set_to:g}"
+            )
+            source += ", with a reserve for the tail" if set_to != limit else ""
+            return f"{name} {value:.4f} is {relation} {limit:g} on the samples ({source})"
     return None
 
 

@@ -20,7 +20,9 @@ from service.models import precision as p
 from service.models.precision_cache import settle
 from service.settings import Settings
 
-LENIENT = p.Floor(min_cosine=-1, median_cosine=-1, top1_agreement=0, max_score_diff=1e9)
+LENIENT = p.Floor(
+    min_cosine=-1, median_cosine=-1, top1_agreement=0, max_score_diff=1e9, clear_share=0, top1_where_clear=0
+)
 NONE_PASSES = p.Floor(min_cosine=1.01, median_cosine=1.01, top1_agreement=1.01, max_score_diff=-1)
 
 
@@ -29,12 +31,55 @@ def resolve(requested: str, device: str = "cpu", *, task: str = "embeddings", **
     return p.resolve(requested, device=device, task=task, **options)  # type: ignore[arg-type]
 
 
-def test_auto_is_float16_for_text_models_on_a_gpu_and_float32_elsewhere() -> None:
+AMX = frozenset({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"})
+AVX512_BF16 = frozenset({"avx512f", "avx512_vnni", "avx512_bf16"})
+VNNI_ONLY = frozenset({"avx512f", "avx512_vnni"})
+
+
+def test_auto_is_float16_for_text_models_on_a_gpu_and_float32_on_a_cpu_without_native_bfloat16() -> None:
     for task in p.TEXT_TASKS:
         assert resolve("auto", "cuda:0", task=task) == "float16"
         assert resolve("auto", "cpu", task=task) == "float32"
+        assert resolve("auto", "cpu", task=task, cpu_flags=VNNI_ONLY) == "float32"
     assert resolve("auto", "cuda:0", task="generic") == "float32"
     assert resolve("auto", "cuda:0", reducible=False) == "float32"
+
+
+def test_auto_is_bfloat16_for_text_models_on_a_cpu_with_amx() -> None:
+    for task in p.TEXT_TASKS:
+        assert resolve("auto", "cpu", task=task, cpu_flags=AMX) == "bfloat16"
+        choice = p.auto_choice(device="cpu", task=task, reducible=True, cpu_flags=AMX, onednn_cache=1024)
+        assert choice == p.AutoChoice("bfloat16", "auto: bfloat16, the processor has amx_bf16", "amx_bf16")
+    # Not an image program, not a network the service cannot convert, and an int8 never unasked.
+    assert resolve("auto", "cpu", task="image", cpu_flags=AMX) == "float32"
+    assert resolve("auto", "cpu", task="generic", cpu_flags=AMX) == "float32"
+    assert resolve("auto", "cpu", reducible=False, cpu_flags=AMX) == "float32"
+
+
+def test_auto_on_avx512_bf16_without_amx_is_bfloat16_only_if_it_measures_faster() -> None:
+    choice = p.auto_choice(
+        device="cpu", task="rerank", reducible=True, cpu_flags=AVX512_BF16, onednn_cache=1024
+    )
+    assert choice.precision == "bfloat16" and choice.measure and choice.code == "avx512_bf16_faster"
+    amx = p.auto_choice(device="cpu", task="rerank", reducible=True, cpu_flags=AMX, onednn_cache=1024)
+    assert not amx.measure
+
+
+def test_auto_keeps_float32_where_the_onednn_cache_is_off_and_says_why() -> None:
+    # With no cache bfloat16 builds its kernels at every call: slower than float32.
+    assert resolve("auto", "cpu", cpu_flags=AMX, onednn_cache=0) == "float32"
+    choice = p.auto_choice(device="cpu", task="embeddings", reducible=True, cpu_flags=AMX, onednn_cache=0)
+    assert "SERVE_ONEDNN_CACHE=0" in choice.reason and choice.code == "onednn_cache_off"
+    none = p.auto_choice(
+        device="cpu", task="embeddings", reducible=True, cpu_flags=VNNI_ONLY, onednn_cache=1024
+    )
+    assert none.code == "no_bfloat16" and "no native bfloat16" in none.reason
+
+
+def test_the_onednn_cache_a_process_has_is_onednns_default_unless_set() -> None:
+    assert p.onednn_cache_capacity({}) == 1024
+    assert p.onednn_cache_capacity({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}) == 0
+    assert p.onednn_cache_capacity({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256"}) == 256
 
 
 @pytest.mark.parametrize(
@@ -94,24 +139,48 @@ def test_rerank_compares_each_querys_top_document_and_the_scores() -> None:
     reference = np.array([0.9, 0.1, 0.2, 0.8])  # two queries of two documents
     reduced = np.array([0.85, 0.2, 0.7, 0.6])  # the second query's top changed
     figures = p.compare("rerank", reference, reduced, group=2)
-    # The first query kept its top document, but its lead (0.8) is under twice the largest move (1.0).
+    # Neither query leads by more than twice the largest move (1.0): none is clear.
     assert figures == {
         "max_score_diff": pytest.approx(0.5),
         "top1_agreement": 0.5,
-        "top1_kept_with_margin": 0,
+        "clear_share": 0,
+        "top1_where_clear": 1.0,
     }
 
 
-def test_a_rerank_top_document_counts_as_kept_with_margin_only_when_no_two_moves_could_reorder_it() -> None:
-    reference = np.array([0.9, 0.1, 0.5, 0.45, 2.0, 1.0])  # leads of 0.8, 0.05 and 1.0
-    reduced = reference + np.array([0.02, -0.03, 0.03, 0.0, -0.01, 0.0])  # every top kept; moves up to 0.03
-    figures = p.compare("rerank", reference, reduced, group=2)
-    assert figures["top1_agreement"] == 1
-    # The second query's lead (0.05) is under twice 0.03: a query like it could flip.
-    assert figures["top1_kept_with_margin"] == pytest.approx(2 / 3)
-    reason = p.shortfall(figures, p.Floor())
-    assert reason is not None and reason.startswith("top1_kept_with_margin 0.6667 is under 0.95")
-    assert "SERVE_PRECISION_MIN_TOP1" in reason
+def test_a_rerank_query_counts_only_where_its_lead_is_clear_of_twice_the_largest_move() -> None:
+    reference = np.array([0.9, 0.1, 0.5, 0.45, 2.0, 1.0, 0.3, 0.31])  # leads of 0.8, 0.05, 1.0 and 0.01
+    moves = np.array([0.02, -0.03, 0.03, 0.0, -0.01, 0.0, 0.02, 0.0])  # up to 0.03; the last query flips
+    figures = p.compare("rerank", reference, reference + moves, group=2)
+    assert figures["top1_agreement"] == 0.75
+    # Two queries of four lead by more than 0.06, and both keep their top document. The
+    # others could be reordered by rounding alone: they say nothing of the precision.
+    assert figures["clear_share"] == 0.5 and figures["top1_where_clear"] == 1
+    # A rerank's top1_agreement is not held to the floor: the flipped query had no clear lead.
+    assert p.shortfall(figures, p.AUTO_FLOOR) is None
+    # Fewer than half clear: the samples cannot tell, and the refusal says so.
+    # A move of 0.45 leaves only the third query's lead (1.0) clear of twice it.
+    few = p.compare("rerank", reference[:6], reference[:6] + [0.02, -0.03, 0.03, 0.0, 0.0, 0.45], group=2)
+    assert few["clear_share"] == pytest.approx(1 / 3)
+    why = p.shortfall(few, p.AUTO_FLOOR, configured=p.Floor())
+    assert why is not None and why.startswith("clear_share 0.3333 is under 0.5 on the samples: too few")
+    assert "tell rounding from a tie" in why
+    assert p.shortfall(few, p.Floor()) == why  # an explicit request's floor asks the same share
+
+
+def test_auto_needs_every_clear_top_document_kept() -> None:
+    figures = {"max_score_diff": 0.01, "top1_agreement": 1.0, "clear_share": 0.9, "top1_where_clear": 0.95}
+    assert p.shortfall(figures, p.Floor()) is None  # an explicit request's floor: 0.95
+    why = p.shortfall(figures, p.Floor().stricter(p.AUTO_FLOOR), configured=p.Floor())
+    assert why == "top1_where_clear 0.9500 is under 1 on the samples (auto's floor 1)"
+
+
+def test_autos_floor_is_the_stricter_of_its_own_and_the_settings() -> None:
+    floor = p.Floor(min_cosine=0.9995, max_score_diff=0.05).stricter(p.AUTO_FLOOR)
+    assert floor.min_cosine == 0.9995 and floor.median_cosine == 0.999 and floor.top1_agreement == 0.99
+    assert floor.max_score_diff == 0.05 and floor.clear_share == 0.5 and floor.top1_where_clear == 1.0
+    why = p.shortfall({"min_cosine": 0.9985}, p.Floor().stricter(p.AUTO_FLOOR), configured=p.Floor())
+    assert why == "min_cosine 0.9985 is under 0.999 on the samples (auto's floor 0.999)"
 
 
 def test_classification_compares_labels_by_name() -> None:
