@@ -138,7 +138,8 @@ def route(
             info = json.loads(answer.read())
         run_load(service.url + path, bodies, clients, min(5.0, seconds))  # warm every worker's shapes
         result = run_load(service.url + path, bodies, clients, seconds)
-        embedded = served_embeddings(service.url, served_check) if served_check else None
+        name = info["model"]["name"]
+        embedded = served_embeddings(service.url, name, served_check) if served_check else None
     return {
         "precision_in_use": info["precision"]["in_use"],
         "precision": info["precision"],
@@ -149,11 +150,11 @@ def route(
     }
 
 
-def served_embeddings(url: str, texts: list[str], per_request: int = 32) -> list[list[float]]:
+def served_embeddings(url: str, model: str, texts: list[str], per_request: int = 32) -> list[list[float]]:
     """``texts`` embedded by the service's /v1/embeddings, ``per_request`` at a time, in order."""
     out: list[list[float]] = []
     for start in range(0, len(texts), per_request):
-        body = json.dumps({"input": texts[start : start + per_request]}).encode()
+        body = json.dumps({"input": texts[start : start + per_request], "model": model}).encode()
         request = urllib.request.Request(
             url + "/v1/embeddings", body, headers={"Content-Type": "application/json"}
         )

@@ -39,7 +39,14 @@ def test_a_factory_models_task_shows(make_client: Callable[[Settings], FlaskClie
     assert client.get("/info").json["model"]["task"] == "generic"  # type: ignore[index]
     scrape = Scrape.parse(client.get("/metrics").get_data())
     assert scrape.series("serve_model_info") == [
-        {"slot": "0", "model": "sized-echo", "name": "sized-echo", "task": "generic", "precision": "float32"}
+        {
+            "slot": "0",
+            "model": "sized-echo",
+            "name": "sized-echo",
+            "task": "generic",
+            "precision": "float32",
+            "precision_reason": "float32_only",  # auto: a factory's network is not converted
+        }
     ]
 
 

@@ -83,11 +83,28 @@ def test_an_image_directory_is_recognised_without_torch(model_dir: Path) -> None
     assert check_spec(str(model_dir)) == "directory"
 
 
-def test_an_image_model_keeps_onednns_cache_and_a_text_model_keeps_none(model_dir: Path) -> None:
+AMX = frozenset({"avx512_bf16", "amx_bf16"})
+NO_BFLOAT16 = frozenset({"avx512f", "avx512_vnni"})
+
+
+def test_an_image_model_keeps_onednns_cache_and_a_float32_text_model_keeps_none(model_dir: Path) -> None:
     # One input size: its convolutions' primitives are found again (0 cost 7% of its speed).
-    assert default_onednn_cache(str(model_dir)) == 1024
-    # New shapes at nearly every call: a cache only grows the worker.
-    assert default_onednn_cache("minilm") == 0
+    for flags in (AMX, NO_BFLOAT16):
+        assert default_onednn_cache(str(model_dir), "auto", flags) == 1024
+    # New shapes at nearly every call: a cache only grows the worker in float32.
+    assert default_onednn_cache("minilm", "auto", NO_BFLOAT16) == 0
+    assert default_onednn_cache("minilm", "float32", AMX) == 0
+    assert default_onednn_cache("minilm", "int8", AMX) == 0
+
+
+def test_a_text_model_in_bfloat16_keeps_onednns_cache(model_dir: Path) -> None:
+    # bfloat16's kernels are oneDNN primitives: with no cache each call builds them again.
+    assert default_onednn_cache("minilm", "auto", AMX) == 1024
+    assert default_onednn_cache("minilm", "bfloat16", AMX) == 1024
+    # avx512_bf16 alone: bfloat16 if it measures faster, which it cannot without the cache.
+    assert default_onednn_cache("minilm", "auto", frozenset({"avx512_bf16"})) == 1024
+    # A factory's model is unknown before a worker loads it.
+    assert default_onednn_cache("tests.support.models:sized_echo", "auto", AMX) == 0
 
 
 @pytest.mark.parametrize(

@@ -339,8 +339,22 @@ def test_each_models_observer_writes_its_own_series() -> None:
     assert s.total("serve_model_load_seconds", model="rerank") == 2.5
     assert s.series("serve_model_exactness") == [{"slot": "1", "model": "rerank", "figure": "top1_agreement"}]
     assert sorted(s.series("serve_model_info"), key=lambda labels: labels["model"]) == [
-        {"slot": "1", "model": "embed", "name": "embed", "task": "embeddings", "precision": "float32"},
-        {"slot": "1", "model": "rerank", "name": "rerank", "task": "rerank", "precision": "int8"},
+        {
+            "slot": "1",
+            "model": "embed",
+            "name": "embed",
+            "task": "embeddings",
+            "precision": "float32",
+            "precision_reason": "asked",
+        },
+        {
+            "slot": "1",
+            "model": "rerank",
+            "name": "rerank",
+            "task": "rerank",
+            "precision": "int8",
+            "precision_reason": "asked",
+        },
     ]
     # Every batching series is a model's; the worker's own figures are no model's.
     for name in ("serve_batches_total", "serve_batch_size_items_count", "serve_batch_queue_depth"):

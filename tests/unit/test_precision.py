@@ -160,7 +160,9 @@ def test_a_rerank_query_counts_only_where_its_lead_is_clear_of_twice_the_largest
     assert p.shortfall(figures, p.AUTO_FLOOR) is None
     # Fewer than half clear: the samples cannot tell, and the refusal says so.
     # A move of 0.45 leaves only the third query's lead (1.0) clear of twice it.
-    few = p.compare("rerank", reference[:6], reference[:6] + [0.02, -0.03, 0.03, 0.0, 0.0, 0.45], group=2)
+    few = p.compare(
+        "rerank", reference[:6], reference[:6] + np.array([0.02, -0.03, 0.03, 0.0, 0.0, 0.45]), group=2
+    )
     assert few["clear_share"] == pytest.approx(1 / 3)
     why = p.shortfall(few, p.AUTO_FLOOR, configured=p.Floor())
     assert why is not None and why.startswith("clear_share 0.3333 is under 0.5 on the samples: too few")
@@ -394,3 +396,106 @@ def test_an_unreadable_entry_is_checked_again(
     monkeypatch.setattr(p, "check", counted)
     outcome = settle(loaded(model_dirs["classification"]), "classification", settings, "cpu")
     assert checks == [1] and outcome.precision == "int8"
+
+
+# -- auto, with the processor's flags fed in -----------------------------------------------------
+# bfloat16 runs natively where the machine has avx512_bf16 or amx_bf16, and is
+# emulated (slowly, but exactly as rounded) where it has neither: these tests
+# run on either.
+
+
+@pytest.mark.parametrize("task", ["embeddings", "rerank", "classification", "fill-mask"])
+def test_auto_on_an_amx_cpu_checks_bfloat16_against_its_stricter_floor_and_says_why(
+    model_dirs: dict[str, Path], task: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(p, "cpu_flags", lambda: AMX)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
+    model = loaded(model_dirs[task])
+    outcome = settle(model, task, Settings(model=str(model_dirs[task])), "cpu")
+    assert outcome.requested == "auto" and outcome.reason == "auto: bfloat16, the processor has amx_bf16"
+    described = outcome.describe()
+    assert described["reason"] == outcome.reason
+    if outcome.precision == "bfloat16":
+        assert outcome.code == "amx_bf16"
+        floor = p.on_samples(p.AUTO_FLOOR)
+        figures = outcome.exactness
+        assert figures.get("min_cosine", 1) >= floor.min_cosine
+        assert figures.get("top1_where_clear", 1) == 1 and figures.get("clear_share", 1) >= 0.5
+        if task in ("classification", "fill-mask"):
+            assert figures["top1_agreement"] >= 0.99
+    else:  # a tiny random network may fail auto's floor: then float32, with the figure that failed
+        assert outcome.code == "exactness" and outcome.fallback is not None
+        assert "bfloat16 falls back to float32" in outcome.fallback and "on the samples" in outcome.fallback
+    assert outcome.summary().startswith(f"precision {outcome.precision} (asked: auto); auto: ")
+
+
+def test_auto_keeps_minilm_in_bfloat16_at_a_min_cosine_of_0_999_or_more(
+    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(p, "cpu_flags", lambda: AMX)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
+    outcome = settle(loaded(model_dirs["embeddings"]), "embeddings", Settings(model="minilm"), "cpu")
+    assert outcome.precision == "bfloat16", outcome.fallback
+    assert outcome.exactness["min_cosine"] >= 0.9996  # auto's 0.999, with the tail's reserve
+
+
+def test_auto_without_native_bfloat16_or_without_the_cache_stays_float32_unchecked(
+    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("float32 needs no check")
+
+    monkeypatch.setattr(p, "check", never)
+    for flags, cache, code in ((VNNI_ONLY, "1024", "no_bfloat16"), (AMX, "0", "onednn_cache_off")):
+        monkeypatch.setattr(p, "cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", cache)
+        model = loaded(model_dirs["rerank"])
+        original = model.network()  # type: ignore[attr-defined]
+        outcome = settle(model, "rerank", Settings(model=str(model_dirs["rerank"])), "cpu")
+        assert (outcome.precision, outcome.code, outcome.exactness) == ("float32", code, {})
+        assert model.network() is original  # type: ignore[attr-defined]
+
+
+class Timed(Toy):
+    """A Toy whose reduced network takes ``slow_s`` more a call: what a slower bfloat16 looks like."""
+
+    def __init__(self, slow_s: float) -> None:
+        super().__init__()
+        self.original = self.network()
+        self.slow_s = slow_s
+
+    def predict(self, batch: list[int]) -> np.ndarray:
+        import time
+
+        import torch
+
+        if self.network() is not self.original:
+            time.sleep(self.slow_s)
+        network = self._network
+        dtype = next(network.parameters()).dtype  # type: ignore[attr-defined]
+        with torch.inference_mode():
+            out: np.ndarray = network(self._inputs[batch].to(dtype)).float().numpy()
+        return out
+
+
+def test_a_measured_bfloat16_is_kept_only_where_it_is_faster() -> None:
+    slower = Timed(slow_s=0.002)  # 2 ms a call on a network that takes microseconds
+    choice = p.check(slower, "embeddings", "bfloat16", LENIENT, measure=True)
+    assert choice.precision == "float32" and choice.speedup is not None and choice.speedup < p.MIN_SPEEDUP
+    assert "float32's speed, under 1.05x" in (choice.fallback or "")
+    assert slower.network() is slower.original
+
+    # Unmeasured (amx_bf16), a slower network is kept: its speed is not asked.
+    kept = p.check(Timed(slow_s=0.002), "embeddings", "bfloat16", LENIENT)
+    assert kept.precision == "bfloat16" and kept.speedup is None
+
+
+def test_the_measured_outcome_names_its_speed_and_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.models import precision_cache
+
+    target = precision_cache.Target("bfloat16", p.Floor(), p.Floor(), "auto: ...", "avx512_bf16_faster", True)
+    kept = precision_cache._outcome("auto", p.Choice("bfloat16", speedup=1.31), target)
+    assert kept.code == "avx512_bf16_faster" and kept.describe()["speedup_vs_float32"] == 1.31
+    assert "measured 1.31x float32's speed" in kept.summary()
+    slower = precision_cache._outcome("auto", p.Choice("float32", fallback="slower", speedup=0.8), target)
+    assert slower.code == "slower"
