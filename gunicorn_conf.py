@@ -116,7 +116,9 @@ def on_starting(server):
 
 
 def on_reload(server):
-    # SIGHUP: the files as they are now, for the workers about to start.
+    # SIGHUP: the files as they are now, for the workers about to start. This
+    # file was read again, its plan with it: the cache is settled again first.
+    _settle_onednn_cache()
     _preload(server)
 
 
@@ -166,7 +168,7 @@ def _check_model():
     # The plan was made when this file was read, before --chdir; a relative
     # SERVE_MODEL names its directory only now, so the model's oneDNN default
     # is settled here.
-    global plan, settings  # noqa: PLW0603
+    global settings  # noqa: PLW0603
     try:
         for entry in settings.models:
             check_spec(entry.spec)
@@ -175,10 +177,25 @@ def _check_model():
         settings = Settings.from_env()
     except SettingsError as exc:
         sys.exit(f"gunicorn_conf.py: {exc}")
+    _settle_onednn_cache()
+
+
+def _settle_onednn_cache(settled=None):
+    # The largest any of the models asks for: the cache is the worker's, shared
+    # by its models. A model served in bfloat16 (auto's choice on a CPU with
+    # AMX) asks for one: its kernels are oneDNN primitives, rebuilt at every
+    # call without it. Before the precision check, which runs with it; again
+    # with the precisions it ``settled`` (the master's models, in order), so
+    # that a model the check kept in float32 runs as float32 always has: no
+    # cache, and no padding to bound its shapes.
+    global plan  # noqa: PLW0603
     if settings.onednn_cache is None:
-        # The largest any of the models asks for: the cache is the worker's, shared by its models.
         flags = cpu_flags()
-        cache = max(default_onednn_cache(entry.spec, settings.precision, flags) for entry in settings.models)
+        precisions = settled or [settings.precision] * len(settings.models)
+        cache = max(
+            default_onednn_cache(entry.spec, precision, flags)
+            for entry, precision in zip(settings.models, precisions, strict=True)
+        )
         plan = dataclasses.replace(plan, onednn_cache=cache)
 
 
@@ -201,6 +218,7 @@ def _preload(server):
         )
         multiproc.cleanup()  # on_exit does not run for a master that never started
         sys.exit(Arbiter.WORKER_BOOT_ERROR)
+    _settle_onednn_cache([held.precision.precision for held in built])
     for held in built:
         server.log.info(
             "model %s built once for every worker in %.1f s (%s); SERVE_SHARE_WEIGHTS=off builds it in each",

@@ -43,6 +43,8 @@ def floor_of(settings: Settings) -> p.Floor:
         top1_agreement=settings.precision_min_top1,
         max_score_diff=settings.precision_max_score_diff,
         top1_where_clear=settings.precision_min_top1,
+        # A top-1 floor of 0 asks nothing of the top documents, their clear share included.
+        clear_share=min(p.Floor().clear_share, settings.precision_min_top1),
     )
 
 

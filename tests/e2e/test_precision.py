@@ -41,7 +41,8 @@ def test_int8_is_served_on_both_routes_and_every_worker_reports_it(
         assert set(info["precision"]["exactness"]) == {
             "max_score_diff",
             "top1_agreement",
-            "top1_kept_with_margin",
+            "clear_share",
+            "top1_where_clear",
         }
         for route in ("/rerank/naive", "/rerank/batched"):
             response = server.post(route, json={"query": QUERY, "documents": DOCUMENTS})
@@ -53,7 +54,8 @@ def test_int8_is_served_on_both_routes_and_every_worker_reports_it(
         assert {s["figure"] for s in scrape.series("serve_model_exactness")} == {
             "max_score_diff",
             "top1_agreement",
-            "top1_kept_with_margin",
+            "clear_share",
+            "top1_where_clear",
         }
         if share == "off":
             # One worker checked; the other applied its choice.
@@ -100,3 +102,87 @@ def test_a_precision_that_does_not_belong_stops_the_service_with_the_reason(
     code, log = gunicorn_exit({"SERVE_WORKERS": "1", **env})
     assert code != 0
     assert reason in log
+
+
+def expected_auto() -> tuple[str, str]:
+    """What ``auto`` picks for a text model on this machine's processor: (precision, reason code)."""
+    from service.models.precision import cpu_flags
+
+    flags = cpu_flags()
+    if "amx_bf16" in flags:
+        return "bfloat16", "amx_bf16"
+    if "avx512_bf16" in flags:  # kept only where it measured faster: either may come out
+        return "measured", "avx512_bf16_faster"
+    return "float32", "no_bfloat16"
+
+
+CORPUS = Path(__file__).resolve().parents[2] / "scripts" / "fixtures" / "corpus" / "mixed.txt"
+# The smallest cosine between an embedding answered alone (/predict/naive) and the same text's in
+# a batch (/predict/batched) in bfloat16, where the batch's padding changes the rounding
+# (docs/protocols.md); in float32 they agree to float rounding.
+NAIVE_BATCHED_MIN_COSINE = 0.999
+
+
+@pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
+def test_auto_serves_the_processors_best_arithmetic_and_says_why(worker_class: str) -> None:
+    import numpy as np
+
+    precision, code = expected_auto()
+    with gunicorn({"SERVE_WORKERS": "2", "SERVE_WORKER_CLASS": worker_class}) as server:
+        info = server.get("/info").json()["precision"]
+        assert info["requested"] == "auto" and info["reason"].startswith("auto: ")
+        if precision == "bfloat16":
+            assert (
+                info["in_use"] == "bfloat16"
+                and info["reason"] == "auto: bfloat16, the processor has amx_bf16"
+            )
+            # auto's floor: 0.999, with the tail's reserve on the samples.
+            assert info["exactness"]["min_cosine"] >= 0.9996
+        elif precision == "float32":
+            assert info["in_use"] == "float32" and "no native bfloat16" in info["reason"]
+        else:
+            assert "speedup_vs_float32" in info
+            code = "avx512_bf16_faster" if info["in_use"] == "bfloat16" else "slower"
+        (series,) = {
+            s["precision_reason"]
+            for s in Scrape.parse(server.get("/metrics").text).series("serve_model_info")
+        }
+        assert series == code
+        assert f"precision {info['in_use']} (asked: auto); auto: " in server.log()
+        # Both routes answer the same texts alike, within bfloat16's stated tolerance.
+        texts = [line for line in CORPUS.read_text(encoding="utf-8").splitlines() if line.strip()][:24]
+        answers = []
+        for route in ("/predict/naive", "/predict/batched"):
+            response = server.post(route, json={"inputs": texts})
+            assert response.status_code == 200, response.text
+            answers.append(np.asarray(response.json()["outputs"], dtype=np.float64))
+        cosines = (answers[0] * answers[1]).sum(axis=1)  # unit vectors
+        alone = [
+            server.post("/predict/naive", json={"inputs": [text]}).json()["outputs"][0] for text in texts[:8]
+        ]
+        cosines = np.concatenate([cosines, (np.asarray(alone) * answers[1][:8]).sum(axis=1)])
+        assert cosines.min() >= (NAIVE_BATCHED_MIN_COSINE if info["in_use"] != "float32" else 1 - 1e-6)
+
+
+def test_auto_checks_a_cross_encoder_directory_and_serves_it_on_every_rerank_route(
+    model_dirs: dict[str, Path],
+) -> None:
+    precision, _ = expected_auto()
+    with gunicorn({"SERVE_MODEL": str(model_dirs["rerank"]), "SERVE_WORKERS": "1"}) as server:
+        info = server.get("/info").json()["precision"]
+        assert info["requested"] == "auto"
+        if precision == "float32":
+            assert info["in_use"] == "float32" and "exactness" not in info
+        elif info["in_use"] == "bfloat16":
+            figures = info["exactness"]
+            assert figures["top1_where_clear"] == 1 and figures["clear_share"] >= 0.5
+        else:  # a tiny random network may miss auto's floor: float32, saying which figure missed
+            assert "bfloat16 falls back to float32" in info["fallback"]
+        for route, body in (
+            ("/rerank/naive", {"query": QUERY, "documents": DOCUMENTS}),
+            ("/rerank/batched", {"query": QUERY, "documents": DOCUMENTS}),
+            ("/v1/rerank", {"query": QUERY, "documents": DOCUMENTS, "model": "tiny-rerank"}),
+        ):
+            response = server.post(route, json=body)
+            assert response.status_code == 200, response.text
+            assert len(response.json()["results"]) == len(DOCUMENTS)
