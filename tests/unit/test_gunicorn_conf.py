@@ -184,3 +184,33 @@ def test_python_m_service_topology_prints_the_plan() -> None:
     )
     assert bad.returncode == 2
     assert bad.stderr.startswith("error: SERVE_WORKERS must be an integer")
+
+
+def test_the_onednn_cache_follows_the_precision_planned_then_settled(environ: dict[str, str]) -> None:
+    conf = runpy.run_path(CONF)
+    settle = conf["_settle_onednn_cache"]
+    names = settle.__globals__  # the module's own globals, which the hooks read
+    cache = lambda: names["plan"].worker_env(0)["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]  # noqa: E731
+
+    # auto aims for bfloat16 on a processor with AMX: its kernels need the cache.
+    names["cpu_flags"] = lambda: frozenset({"avx512_bf16", "amx_bf16"})
+    settle()
+    assert cache() == "1024"
+    # The check kept float32 (under auto's floor): float32 runs as it always has.
+    settle(["float32"])
+    assert cache() == "0"
+    settle(["bfloat16"])
+    assert cache() == "1024"
+    # No native bfloat16: float32, no cache.
+    names["cpu_flags"] = lambda: frozenset({"avx512f", "avx512_vnni"})
+    settle()
+    assert cache() == "0"
+
+
+def test_a_set_onednn_cache_is_kept_whatever_the_precision(environ: dict[str, str]) -> None:
+    environ["SERVE_ONEDNN_CACHE"] = "64"
+    conf = runpy.run_path(CONF)
+    settle = conf["_settle_onednn_cache"]
+    settle.__globals__["cpu_flags"] = lambda: frozenset({"amx_bf16"})
+    settle(["float32"])
+    assert settle.__globals__["plan"].worker_env(0)["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
