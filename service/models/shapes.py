@@ -9,9 +9,9 @@ worker grows (a MiniLM worker from 0.9 to 3.7 GiB in six minutes). So where the
 worker's oneDNN cache is on, a call's rows are padded up to the next of a few
 steps (powers of two, up to SERVE_MAX_BATCH_SIZE) and its length up to a
 multiple of 16 tokens (an AMX tile's rows), never past the model's longest
-input. MiniLM at 64 rows and 256 tokens then has 108 shapes: about 300
-primitives, which oneDNN's default cache of 1024 holds (docs/reliability.md,
-"Memory"). Pure: no torch.
+input. MiniLM at 64 rows, 256 tokens and the 8,192-token budget then has 104
+shapes: about 300 primitives, which oneDNN's default cache of 1024 holds
+(docs/reliability.md, "Memory"). Pure: no torch.
 
 The batcher's cost model reads the same shapes (service.batching.subbatch), so
 its cuts fall on the steps rather than one row past them.
