@@ -142,8 +142,9 @@ def default_onednn_cache(spec: str, precision: str, cpu_flags: frozenset[str]) -
 
     ``precision`` is SERVE_PRECISION as set: a text model runs in bfloat16 when
     asked by name, or by ``auto`` on a processor with native bfloat16
-    (service.precision_spec.auto_choice, given the cache it would have). A
-    precision check may still keep float32; its shapes are bounded all the same.
+    (service.precision_spec.auto_choice, given the cache it would have). The
+    gunicorn master asks again with the precision its check settled, so that a
+    model kept in float32 runs with no cache, as float32 always has.
     """
     task = spec_task(spec)
     if task == "image":
