@@ -202,7 +202,8 @@ def _check_in_child(settings: Settings, env: Mapping[str, str | None]) -> p.Choi
             child_env.pop(name, None)
         log.info("checking precision %s in a child process, before the workers start", settings.precision)
         done = subprocess.run(
-            [sys.executable, "-m", __name__, str(out)],
+            # The model's own spec: SERVE_MODEL in the environment may list several.
+            [sys.executable, "-m", __name__, str(out), settings.model],
             env=child_env,
             stdout=subprocess.DEVNULL,  # its log goes to the master's stderr, as it happens
             timeout=WAIT_S,
@@ -225,7 +226,7 @@ def main(argv: list[str]) -> int:
     from service.runtime import configure_torch
 
     logging.basicConfig(level=logging.INFO, format="[precision check %(process)d] %(levelname)s %(message)s")
-    settings = Settings.from_env()
+    settings = Settings.from_env().replace(model=argv[1])
     configure_torch(settings.torch_threads)
     model = load_model(settings, "cpu", may_run=False)
     task = task_of(model)

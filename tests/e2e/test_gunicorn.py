@@ -96,8 +96,13 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_outputs(minilm: S
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(one, range(len(sentences))))
     assert all(status == 200 for status, _, _ in results)
-    for i, (_, output, _) in enumerate(results):
-        np.testing.assert_allclose(output, reference[i], atol=1e-4)
+    outputs = np.array([output for _, output, _ in results])
+    # Each answer is its own sentence's, nearest its reference of all 48. In the
+    # default precision (bfloat16 on a CPU with AMX) the batch's shape moves the
+    # rounding: held to the routes' stated tolerance (docs/protocols.md).
+    cosines = outputs @ reference.T  # unit vectors
+    assert (cosines.argmax(axis=1) == np.arange(len(sentences))).all()
+    assert np.diag(cosines).min() >= 0.999
     assert max(size for _, _, size in results) > 1
 
 

@@ -27,6 +27,12 @@ QUERY = "What does a man eat?"
 DOCUMENTS = ["A man is eating food.", "The sky is blue.", "A man is riding a horse.", "Bread is food."]
 
 
+# The pair's answers are compared with each model's alone at 1e-5. In bfloat16 (auto's choice
+# on a CPU with AMX) a worker's thread count moves the rounding, and the pair runs two workers
+# of one thread where each model alone runs one of two (docs/protocols.md).
+FLOAT32 = {"SERVE_PRECISION": "float32"}
+
+
 def pair_spec(model_dirs: dict[str, Path]) -> str:
     return (
         f"embed|text-embedding-3-small={model_dirs['embeddings']},rerank|rerank-v3.5={model_dirs['rerank']}"
@@ -39,6 +45,7 @@ def pair(request: pytest.FixtureRequest, model_dirs: dict[str, Path]) -> Iterato
         "SERVE_MODEL": pair_spec(model_dirs),
         "SERVE_WORKERS": "2",
         "SERVE_WORKER_CLASS": str(request.param),
+        **FLOAT32,
     }
     with gunicorn(env) as server:
         yield server
@@ -47,7 +54,7 @@ def pair(request: pytest.FixtureRequest, model_dirs: dict[str, Path]) -> Iterato
 @pytest.fixture(scope="module")
 def alone(model_dirs: dict[str, Path]) -> Iterator[dict[str, Server]]:
     """Each model served by itself, under the same names: what the pair must answer alike."""
-    env = {"SERVE_WORKERS": "1"}
+    env = {"SERVE_WORKERS": "1", **FLOAT32}
     with (
         gunicorn({**env, "SERVE_MODEL": f"embed={model_dirs['embeddings']}"}) as embed,
         gunicorn({**env, "SERVE_MODEL": f"rerank={model_dirs['rerank']}"}) as rerank,
