@@ -32,7 +32,10 @@ def test_default_model_serves_real_embeddings_on_both_routes(minilm: Server) -> 
     assert batched.json()["model"] == "all-MiniLM-L6-v2"
     a, b = np.array(naive.json()["outputs"]), np.array(batched.json()["outputs"])
     assert a.shape == (3, 384)
-    np.testing.assert_allclose(a, b, atol=1e-5)
+    # The same embeddings, within the routes' stated tolerance: in the default precision
+    # (bfloat16 on a CPU with AMX) the batcher may cut the three into calls of other shapes
+    # than the naive route's one, which moves the rounding (docs/protocols.md).
+    assert (a * b).sum(axis=1).min() >= 0.999
     np.testing.assert_allclose(np.linalg.norm(a, axis=1), 1.0, rtol=1e-5)
     similar, unrelated = a[0] @ a[1], a[0] @ a[2]
     assert similar > unrelated + 0.3

@@ -27,6 +27,10 @@ pytestmark = pytest.mark.e2e
 MIB = 1 << 20
 # Half of all-MiniLM-L6-v2's float32 weights: what sharing must at least take off each worker.
 HALF_THE_WEIGHTS = 43 * MIB
+# Answers are compared across services and requests at 1e-5, and the weights' size is
+# float32's: bfloat16 (auto's choice on a CPU with AMX) would round by the batch's shape
+# and halve the weights (docs/protocols.md).
+FLOAT32 = {"SERVE_PRECISION": "float32"}
 SENTENCES = [
     "a",
     "The quick brown fox jumps over the lazy dog.",
@@ -65,7 +69,7 @@ def infos(server: Server, workers: int) -> dict[int, dict[str, object]]:
 @pytest.fixture(scope="module")
 def unshared() -> Iterator[tuple[dict[str, np.ndarray], int]]:
     """What a worker that builds its own model answers, and its private memory after answering."""
-    with gunicorn({"SERVE_WORKERS": "1", "SERVE_SHARE_WEIGHTS": "off"}) as server:
+    with gunicorn({"SERVE_WORKERS": "1", "SERVE_SHARE_WEIGHTS": "off", **FLOAT32}) as server:
         outputs = answers(server)
         info = server.get("/info").json()
         assert info["shared_weights"] is False
@@ -77,7 +81,7 @@ def test_shared_workers_answer_both_routes_as_unshared_ones_and_hold_far_less_of
     unshared: tuple[dict[str, np.ndarray], int], worker_class: str
 ) -> None:
     reference, unshared_private = unshared
-    env = {"SERVE_WORKERS": "2", "SERVE_WORKER_CLASS": worker_class, "SERVE_TORCH_THREADS": "2"}
+    env = {"SERVE_WORKERS": "2", "SERVE_WORKER_CLASS": worker_class, "SERVE_TORCH_THREADS": "2", **FLOAT32}
     with gunicorn(env) as server:
         assert "built once for every worker" in server.log()
         assert all(info["shared_weights"] is True for info in infos(server, 2).values())
@@ -96,7 +100,7 @@ def test_a_worker_that_replaces_a_killed_one_shares_like_the_first(
     unshared: tuple[dict[str, np.ndarray], int],
 ) -> None:
     reference, unshared_private = unshared
-    with gunicorn({"SERVE_WORKERS": "2"}) as server:
+    with gunicorn({"SERVE_WORKERS": "2", **FLOAT32}) as server:
         first = set(server.workers())
         killed = min(first)
         os.kill(killed, signal.SIGKILL)
