@@ -22,7 +22,7 @@ TEXT_TASKS = ("embeddings", "rerank", "classification", "fill-mask")
 # A CPU's native bfloat16: without one of these, torch emulates it, tens of times slower.
 BFLOAT16_FLAGS = ("avx512_bf16", "amx_bf16")
 # Intel's AMX tiles: bfloat16 matrix products at several times float32's rate
-# (MiniLM: 2.6x offline, 2x through the service; docs/benchmarks.md).
+# (MiniLM: 3.2x offline, 2.1x to 2.65x through the service; docs/benchmarks.md).
 AMX_FLAG = "amx_bf16"
 # oneDNN's own default primitive cache, what ONEDNN_PRIMITIVE_CACHE_CAPACITY reads when unset.
 ONEDNN_DEFAULT_CACHE = 1024
@@ -53,8 +53,7 @@ def auto_choice(
     if device.startswith("cuda"):
         # float16 is what the peers serve text encoders in on a GPU.
         return AutoChoice(FLOAT16, "auto: float16 on a GPU", "gpu")
-    native = [flag for flag in BFLOAT16_FLAGS if flag in cpu_flags]
-    if not native:
+    if not cpu_flags & set(BFLOAT16_FLAGS):
         return AutoChoice(
             FLOAT32,
             "auto: float32, the processor has no native bfloat16 (avx512_bf16 or amx_bf16)",

@@ -179,19 +179,27 @@ class BoundedShapes:
         return self.shapes
 
 
+def to_shape(batch: list[Tokens], shapes: ShapeSteps | None) -> tuple[list[Tokens], int]:
+    """The rows a call runs and the length it is padded to: the batch's own, or ``shapes``'s.
+
+    Rows past the batch's own repeat its last item (a real input, whose outputs
+    the caller drops), so that no row is padding alone with no token to attend to.
+    """
+    longest = max(len(item.ids) for item in batch)
+    if shapes is None:
+        return batch, longest
+    rows, longest = shapes.shape(len(batch), longest)
+    return batch + [batch[-1]] * (rows - len(batch)), longest
+
+
 def pad(
     batch: list[Tokens], pad_id: int, device: str, shapes: ShapeSteps | None = None
 ) -> dict[str, torch.Tensor]:
     """The batch as a model's keyword arguments, padded on the right to its longest item.
 
-    With ``shapes``, to the call shape they give: rows past the batch's own
-    repeat its last item (a real input, whose outputs the caller drops), so
-    that no row is padding alone with no token to attend to.
+    With ``shapes``, to the call shape they give (``to_shape``).
     """
-    longest = max(len(item.ids) for item in batch)
-    if shapes is not None:
-        rows, longest = shapes.shape(len(batch), longest)
-        batch = batch + [batch[-1]] * (rows - len(batch))
+    batch, longest = to_shape(batch, shapes)
     ids = np.full((len(batch), longest), pad_id, dtype=np.int64)
     mask = np.zeros((len(batch), longest), dtype=np.int64)
     for row, item in enumerate(batch):

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from service.models.base import EMBEDDINGS, MAX_TEXT_CHARS, json_type
-from service.models.hf import BoundedShapes, Encoder, Tokens, in_float32
+from service.models.hf import BoundedShapes, Encoder, Tokens, in_float32, to_shape
 from service.models.shapes import ShapeSteps
 
 MAX_CHARS = MAX_TEXT_CHARS
@@ -113,10 +113,7 @@ class MiniLMModel(BoundedShapes):
         self, batch: list[Tokens], shapes: ShapeSteps | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and attention mask, padded to the batch's longest item (to ``shapes``, as hf.pad)."""
-        longest = max(len(item.ids) for item in batch)
-        if shapes is not None:
-            rows, longest = shapes.shape(len(batch), longest)
-            batch = batch + [batch[-1]] * (rows - len(batch))
+        batch, longest = to_shape(batch, shapes)
         ids = np.full((len(batch), longest), self._pad_id, dtype=np.int64)
         mask = np.zeros((len(batch), longest), dtype=np.int64)
         for row, item in enumerate(batch):

@@ -121,6 +121,13 @@ def _target(model: Any, task: str, settings: Settings, device: str, environ: Map
     reducible = isinstance(model, p.Reducible) and bool(getattr(model, "reducible", True))
     flags, cache = p.cpu_flags(), p.onednn_cache_capacity(environ)
     configured = floor_of(settings)
+    if settings.precision == p.AUTO:
+        auto = p.auto_choice(
+            device=device, task=task, reducible=reducible, cpu_flags=flags, onednn_cache=cache
+        )
+        # A GPU's float16 keeps the floor it always had; a CPU's bfloat16 is held to auto's.
+        floor = configured if device.startswith("cuda") else configured.stricter(p.AUTO_FLOOR)
+        return Target(auto.precision, floor, configured, auto.reason, auto.code, auto.measure)
     precision = p.resolve(
         settings.precision,
         device=device,
@@ -130,12 +137,7 @@ def _target(model: Any, task: str, settings: Settings, device: str, environ: Map
         name=model.name,
         onednn_cache=cache,
     )
-    if settings.precision != p.AUTO:
-        return Target(precision, configured, configured)
-    auto = p.auto_choice(device=device, task=task, reducible=reducible, cpu_flags=flags, onednn_cache=cache)
-    # A GPU's float16 keeps the floor it always had; a CPU's bfloat16 is held to auto's.
-    floor = configured if device.startswith("cuda") else configured.stricter(p.AUTO_FLOOR)
-    return Target(precision, floor, configured, auto.reason, auto.code, auto.measure)
+    return Target(precision, configured, configured)
 
 
 def _outcome(requested: str, choice: p.Choice, target: Target) -> p.Outcome:
