@@ -301,12 +301,13 @@ def bound_shapes(model: Model, settings: Settings, device: str) -> None:
         return
     steps: ShapeSteps = bound(settings.max_batch_size)
     log.info(
-        "model %s: calls padded to %d row counts (up to %d) and lengths in multiples of %d tokens, "
-        "for the oneDNN cache of %d primitives",
+        "model %s: calls padded to %d row counts (up to %d) and lengths in multiples of %d tokens "
+        "to %d, then two steps a doubling, for the oneDNN cache of %d primitives",
         model.name,
         len(steps.rows),
         steps.rows[-1],
         steps.multiple,
+        steps.fine,
         cache,
     )
 

@@ -7,11 +7,15 @@ call: with the cache off every call builds its kernels again, and bfloat16 runs
 slower than float32; with it on, the cache fills with shapes seen once and the
 worker grows (a MiniLM worker from 0.9 to 3.7 GiB in six minutes). So where the
 worker's oneDNN cache is on, a call's rows are padded up to the next of a few
-steps (powers of two, up to SERVE_MAX_BATCH_SIZE) and its length up to a
-multiple of 16 tokens (an AMX tile's rows), never past the model's longest
-input. MiniLM at 64 rows, 256 tokens and the 8,192-token budget then has 104
-shapes: about 300 primitives, which oneDNN's default cache of 1024 holds
-(docs/reliability.md, "Memory"). Pure: no torch.
+steps (powers of two, up to SERVE_MAX_BATCH_SIZE) and its length up to the
+next of a few steps: multiples of 16 tokens (an AMX tile's rows) up to 64,
+then two a doubling (96, 128, 192, 256, ...), never past the model's longest
+input. MiniLM at 64 rows, 256 tokens and the 8,192-token budget then has 54
+shapes: about 160 primitives, which oneDNN's default cache of 1024 holds
+(docs/reliability.md, "Memory"). Why so few past 64 tokens: a worker's memory
+grows by a primitive's kernels the first time traffic reaches its shape, and
+the rare shapes (many rows of long text) are reached last, minutes into a
+run; fewer of them are all reached sooner. Pure: no torch.
 
 The batcher's cost model reads the same shapes (service.batching.subbatch), so
 its cuts fall on the steps rather than one row past them.
@@ -23,21 +27,38 @@ from dataclasses import dataclass
 
 # AMX multiplies tiles of 16 rows; a length a multiple of it wastes none of a tile.
 LENGTH_MULTIPLE = 16
+# Up to here lengths step by LENGTH_MULTIPLE; past it, by two steps a doubling
+# (at most a third of a call's tokens padding, where one step of 16 would cost
+# twice the shapes for long text).
+FINE_LENGTHS = 64
+
+
+def padded_length(longest: int, multiple: int = LENGTH_MULTIPLE, fine: int = FINE_LENGTHS) -> int:
+    """The length a call whose longest input has ``longest`` tokens is padded to (no model limit)."""
+    if longest <= fine:
+        return max(multiple, -(-longest // multiple) * multiple)
+    octave = fine
+    while octave * 2 < longest:
+        octave *= 2
+    # Between octave and 2 * octave: the middle step, or the doubling.
+    middle = octave + octave // 2
+    return middle if longest <= middle else octave * 2
 
 
 @dataclass(frozen=True)
 class ShapeSteps:
-    """The row counts a call is padded up to, and the multiple its length is padded to."""
+    """The row counts a call is padded up to, and the steps of its length (``padded_length``)."""
 
     rows: tuple[int, ...]
     multiple: int = LENGTH_MULTIPLE
     # The model's longest input in tokens: a length is never padded past it.
     limit: int | None = None
+    fine: int = FINE_LENGTHS
 
     def shape(self, rows: int, longest: int) -> tuple[int, int]:
         """The padded ``(rows, length)`` a call of ``rows`` items, the longest ``longest``, runs as."""
         padded_rows = next((step for step in self.rows if step >= rows), rows)
-        length = -(-longest // self.multiple) * self.multiple
+        length = padded_length(longest, self.multiple, self.fine)
         if self.limit is not None:
             length = min(length, max(longest, self.limit))
         return padded_rows, length
@@ -54,4 +75,4 @@ def steps_for(max_rows: int, limit: int | None, multiple: int = LENGTH_MULTIPLE)
         rows.append(step)
         step *= 2
     rows.append(max_rows)
-    return ShapeSteps(tuple(rows), multiple, limit)
+    return ShapeSteps(tuple(rows), multiple=multiple, limit=limit)

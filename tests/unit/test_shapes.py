@@ -1,7 +1,8 @@
 """Bounded call shapes (service.models.shapes): the steps, the batcher's cuts on them, and the outputs.
 
 Where the worker's oneDNN cache is on, a text model pads each call's rows to a
-few steps and its length to a multiple of 16 tokens. Padding must never show
+few steps and its length to a multiple of 16 tokens up to 64, then two steps a
+doubling. Padding must never show
 in the answers: every kind's outputs for the batch's own rows are float32's
 without it, to float rounding.
 """
@@ -16,7 +17,7 @@ import pytest
 from service.batching.subbatch import Cost, CostModel, cut
 from service.models import load_model
 from service.models.precision import sample_items
-from service.models.shapes import ShapeSteps, steps_for
+from service.models.shapes import ShapeSteps, padded_length, steps_for
 from service.runtime import bound_shapes
 from service.settings import Settings
 
@@ -27,13 +28,23 @@ def test_rows_step_by_powers_of_two_up_to_the_largest_batch() -> None:
     assert steps_for(1, None).rows == (1,)
 
 
-def test_a_call_is_padded_to_the_next_step_and_a_multiple_of_16_never_past_the_models_limit() -> None:
+def test_lengths_step_by_16_to_64_then_twice_a_doubling() -> None:
+    lengths = sorted({padded_length(longest) for longest in range(1, 513)})
+    assert lengths == [16, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+    assert padded_length(65) == 96 and padded_length(97) == 128 and padded_length(129) == 192
+    # Never more than a third of a padded call's tokens past 64 (and never a step of less than 16).
+    assert all(longest / padded_length(longest) > 2 / 3 for longest in range(65, 513))
+
+
+def test_a_call_is_padded_to_the_next_step_never_past_the_models_limit() -> None:
     steps = steps_for(64, 256)
     assert steps.shape(1, 7) == (1, 16)
     assert steps.shape(3, 16) == (4, 16)
     assert steps.shape(33, 17) == (64, 32)
+    assert steps.shape(2, 70) == (2, 96)
     assert steps.shape(64, 250) == (64, 256)
-    assert steps_for(64, 250).shape(2, 245) == (2, 250)  # a limit that is not a multiple of 16
+    assert steps_for(64, 250).shape(2, 245) == (2, 250)  # a limit that is not on a step
+    assert steps_for(64, 250).shape(2, 130) == (2, 192)
     assert steps.shape(100, 20) == (100, 32)  # past the largest step (never cut so): its own rows
     assert steps.tokens(33, 17) == 64 * 32
 
@@ -41,7 +52,9 @@ def test_a_call_is_padded_to_the_next_step_and_a_multiple_of_16_never_past_the_m
 def test_the_number_of_shapes_is_bounded() -> None:
     steps = steps_for(64, 256)
     shapes = {steps.shape(rows, longest) for rows in range(1, 65) for longest in range(1, 257)}
-    assert len(shapes) == 7 * 16
+    assert len(shapes) == 7 * 8
+    # Within MiniLM's 8,192-token budget (64 x 192 and 64 x 256 are never cut so).
+    assert len({shape for shape in shapes if shape[0] * shape[1] <= 8192}) == 54
 
 
 def test_the_cost_counts_padded_tokens_as_the_model_pads() -> None:
@@ -109,4 +122,4 @@ def test_shapes_are_bounded_only_where_the_oneDNN_cache_is_on(
     bound_shapes(model, settings, "cuda")
     assert model.shapes is None  # type: ignore[attr-defined]
     bound_shapes(model, settings, "cpu")
-    assert model.shapes == ShapeSteps((1, 2, 4, 8, 16, 32), 16, 512)  # type: ignore[attr-defined]
+    assert model.shapes == ShapeSteps((1, 2, 4, 8, 16, 32), limit=512)  # type: ignore[attr-defined]
