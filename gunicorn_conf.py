@@ -16,15 +16,15 @@ import sys
 
 from gunicorn.arbiter import Arbiter
 
+from service.config.model_spec import check_spec, default_onednn_cache, weights
+from service.config.precision_spec import check_device, cpu_flags
+from service.config.settings import Settings, cuda_visible_devices
 from service.errors import SettingsError
 from service.host import lifecycle, multiproc, preload
 from service.host.balance import Balance, ConnectionShares
 from service.host.slots import SlotTable
 from service.host.worker import BalancedThreadWorker
-from service.logs import logging_config
-from service.model_spec import check_spec, default_onednn_cache, weights
-from service.precision_spec import check_device, cpu_flags
-from service.settings import Settings, cuda_visible_devices
+from service.telemetry.logs import logging_config
 from service.topology.inventory import first_inventory
 from service.topology.plan import plan as plan_topology
 from service.topology.table import render

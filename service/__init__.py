@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from flask import Flask
 
-    from service.settings import Settings
+    from service.config.settings import Settings
 
 __all__ = ["__version__", "create_app"]
 

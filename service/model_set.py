@@ -33,12 +33,12 @@ from flask import Flask
 from service.batching import native
 from service.batching.batcher import Batcher, BatchObserver
 from service.batching.model_time import ModelTime
-from service.budget import Budget, body_budget_bytes
+from service.config.budget import Budget, body_budget_bytes
+from service.config.settings import Settings
 from service.errors import BadRequest, NotReady, ServeError
 from service.models import Model
 from service.models.base import task_of
 from service.runtime import EXTENSION, LOAD_FAILED, ModelRuntime
-from service.settings import Settings
 
 
 class UnknownModel(ServeError):

@@ -23,7 +23,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import random
@@ -38,17 +37,18 @@ from service.batching.calibration import calibrate
 from service.batching.model_time import ModelTime
 from service.batching.subbatch import CostModel
 from service.batching.watchdog import Watchdog
-from service.budget import Budget, body_budget_bytes
+from service.config.budget import Budget, body_budget_bytes
+from service.config.model_list import ModelEntry
+from service.config.settings import Settings
 from service.errors import NotReady
 from service.host import preload
-from service.model_list import ModelEntry
 from service.models import Model, describe, load_model
 from service.models.base import Outputs, item_sizer, sample_item, task_of
+from service.models.device import configure_torch, limit_gpu_memory, select_device
 from service.models.precision import Outcome, finish, onednn_cache_capacity
 from service.models.precision_cache import settle
 from service.models.shapes import ShapeSteps
 from service.outputs import check_outputs, client_error
-from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -310,48 +310,3 @@ def bound_shapes(model: Model, settings: Settings, device: str) -> None:
         steps.fine,
         cache,
     )
-
-
-def configure_torch(threads: int | None) -> None:
-    """Fix torch's pools before any model work: intra-op as planned, inter-op 1."""
-    import torch
-
-    if threads is not None:
-        torch.set_num_threads(threads)
-    # One inter-op thread: requests are parallel across workers and batches,
-    # and a second pool per worker only competes for the same cores. It can be
-    # set once per process; tests build several apps in one.
-    with contextlib.suppress(RuntimeError):
-        torch.set_num_interop_threads(1)
-
-
-def select_device(planned: str | None = None) -> str:
-    """The torch device for the worker's planned one ("cpu", "cuda:N"; None: not planned).
-
-    gunicorn_conf.py shows a GPU worker its one GPU alone, so "cuda:N" is "cuda"
-    here. Without a plan (tests, a plain WSGI server) a visible GPU is used.
-    """
-    import torch
-
-    if planned == "cpu":
-        return "cpu"
-    if planned is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            f"the plan gives this worker {planned}, but torch sees no CUDA device "
-            f"(torch {torch.__version__}; is it built with CUDA?)"
-        )
-    return "cuda"
-
-
-def limit_gpu_memory(fraction: float) -> None:
-    """Cap torch's allocator at the worker's planned share of its GPU.
-
-    Past it, an allocation raises torch.cuda.OutOfMemoryError in this worker
-    (the batch fails with 503) instead of starving the workers that share the GPU.
-    """
-    import torch
-
-    torch.cuda.set_per_process_memory_fraction(fraction, 0)
-    log.info("torch may allocate %.3f of the GPU's memory in this worker", fraction)

@@ -8,9 +8,9 @@ from flask import Flask
 from flask.testing import FlaskClient
 
 from service import create_app
+from service.config.settings import Settings
 from service.model_set import ModelSet
 from service.runtime import EXTENSION
-from service.settings import Settings
 
 SMALL_MLP = Settings(model="mlp", mlp_width=16, mlp_depth=2, max_items_per_request=8, torch_threads=1)
 

@@ -206,8 +206,8 @@ def rerank_requests(texts: list[str], documents: int) -> list[tuple[str, list[st
 
 def check_rerank_settings(env: dict[str, str], documents: int) -> None:
     """Stop before measuring if the service to start cannot take a rerank of ``documents`` pairs."""
-    from service.model_spec import directory_task, kind
-    from service.settings import Settings
+    from service.config.model_spec import directory_task, kind
+    from service.config.settings import Settings
 
     settings = Settings.from_env(env)
     spec = settings.model
@@ -235,7 +235,7 @@ def offline_limit(
     the offline figures.
     """
     from scripts.bench.offline import OfflineError, Strategy, measure, splits_for
-    from service.settings import Settings
+    from service.config.settings import Settings
     from service.topology.inventory import read_inventory
 
     settings = Settings.from_env(env)

@@ -58,8 +58,8 @@ sys.path.insert(0, str(ROOT))
 
 from scripts.bench.gpu_report import Check, Report, format_report  # noqa: E402
 from scripts.bench.gpu_speed import SPEED_MOST_S, environment, speed_seconds, speed_step  # noqa: E402
+from service.config.settings import Settings, cuda_visible_devices  # noqa: E402
 from service.errors import SettingsError  # noqa: E402
-from service.settings import Settings, cuda_visible_devices  # noqa: E402
 from service.topology.inventory import Gpu, Inventory, read_inventory  # noqa: E402
 from service.topology.plan import Plan, plan  # noqa: E402
 from service.topology.table import render  # noqa: E402

@@ -175,10 +175,10 @@ def rounding(original: Path, half: Path) -> dict[str, float]:
     On the service's sample texts (service/models/exactness_texts.txt), with its
     own measure (service.models.precision.compare).
     """
+    from service.config.settings import Settings
     from service.models import load_model
     from service.models.base import EMBEDDINGS
     from service.models.precision import compare, in_chunks, sample_items
-    from service.settings import Settings
 
     texts, _ = sample_items(EMBEDDINGS)
     reference = load_model(Settings(model=str(original)), "cpu")

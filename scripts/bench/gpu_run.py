@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from scripts.bench.gpu_pack import PACK, convert_weights  # noqa: E402
 from scripts.common.procs import children  # noqa: E402
 from scripts.fixtures.make_bert_base import SHAPES, write  # noqa: E402
-from service.settings import cuda_visible_devices  # noqa: E402
+from service.config.settings import cuda_visible_devices  # noqa: E402
 from service.topology.inventory import read_inventory  # noqa: E402
 
 NO_GPU_EXIT = 2

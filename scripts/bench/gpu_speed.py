@@ -171,11 +171,11 @@ def settled() -> Any:
     """SERVE_MODEL's factory: the directory in GPU_SPEED_MODEL, loaded and settled as a worker does."""
     import torch
 
+    from service.config.settings import Settings
     from service.models import load_model
     from service.models.base import task_of
+    from service.models.device import select_device
     from service.models.precision_cache import settle
-    from service.runtime import select_device
-    from service.settings import Settings
 
     # SERVE_PRECISION, the floor and the rest, as the parent set them for this precision.
     settings = Settings.from_env().replace(model=os.environ[SPEED_MODEL_ENV], run_dir=None)
@@ -275,7 +275,7 @@ def measure_precision(
 ) -> SpeedRow:
     """``workers`` processes on the GPU ``gpu_uuid``, the model in ``precision``: offline, then batcher."""
     from scripts.bench.offline import Split, Strategy, measure
-    from service.settings import Settings
+    from service.config.settings import Settings
     from service.topology.inventory import read_inventory
 
     cores = read_inventory().usable_cores

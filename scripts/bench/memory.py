@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from scripts.common.launcher import Service, serve  # noqa: E402
 from scripts.common.procs import rss_bytes  # noqa: E402
-from service.metrics import memory_rollup  # noqa: E402
+from service.telemetry.metrics import memory_rollup  # noqa: E402
 
 CORPUS = ROOT / "scripts" / "fixtures" / "corpus" / "mixed.txt"
 ROUTE = "/predict/batched"

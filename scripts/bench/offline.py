@@ -42,7 +42,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, cast
 
-from service.settings import Settings
+from service.config.settings import Settings
 
 # A process that has not reached the barrier this long after its peers has hung
 # (loading even the largest built-in model takes well under a minute).
@@ -238,7 +238,7 @@ def _measure_here(
 ) -> list[tuple[float, list[float]]]:
     from service.models import describe, load_model
     from service.models.base import sample_item
-    from service.runtime import configure_torch, select_device
+    from service.models.device import configure_torch, select_device
     from service.topology.plan import LIBRARY_ENV
 
     # As gunicorn_conf.py sets up a worker, so that the figures are a worker's.
@@ -275,7 +275,7 @@ def _measure_corpus(
     from service.batching.calibration import calibrate
     from service.batching.subbatch import cut
     from service.models import load_model
-    from service.runtime import configure_torch, select_device
+    from service.models.device import configure_torch, select_device
     from service.topology.plan import LIBRARY_ENV
 
     os.environ.update(LIBRARY_ENV)

@@ -79,8 +79,8 @@ WARM_UP_S = 2.0
 SAMPLE_RATE = 200  # py-spy samples a second
 # Where a sampled stack's time goes: the innermost frame whose file matches a part wins.
 PARTS = (
-    ("metrics (prometheus-client)", ("prometheus_client/", "service/metrics.py")),
-    ("access line (logging)", ("logging/", "service/logs.py", "service/http/access.py")),
+    ("metrics (prometheus-client)", ("prometheus_client/", "service/telemetry/metrics.py")),
+    ("access line (logging)", ("logging/", "service/telemetry/logs.py", "service/http/access.py")),
     ("batcher and hand-off", ("service/batching/",)),
     ("admission at the door", ("service/http/door.py", "service/http/arrival.py")),
     (

@@ -70,11 +70,11 @@ def offline(
     """Load and settle the model in ``precision``; its outputs on ``items`` and its offline texts/s."""
     import torch
 
+    from service.config.settings import Settings
     from service.models import load_model
     from service.models.base import task_of
     from service.models.precision import in_chunks
     from service.models.precision_cache import settle
-    from service.settings import Settings
 
     settings = Settings.from_env({**os.environ, "SERVE_MODEL": model_spec, "SERVE_PRECISION": precision})
     from service.runtime import bound_shapes
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def processor() -> str:
     """The CPU's model and which of the flags bfloat16 depends on it has."""
-    from service.precision_spec import cpu_flags
+    from service.config.precision_spec import cpu_flags
 
     name = next(
         (

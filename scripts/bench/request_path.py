@@ -52,9 +52,9 @@ def main() -> int:
 
     from scripts.bench import bare_flask
     from service import create_app
-    from service.logs import ACCESS_LOGGER
+    from service.config.settings import Settings
     from service.runtime import EXTENSION
-    from service.settings import Settings
+    from service.telemetry.logs import ACCESS_LOGGER
 
     # The line's record is made and handled, as in production; a handler that
     # drops it keeps the output out of the figures (and of the terminal).

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from scripts.common.launcher import serve  # noqa: E402
 from scripts.load.loadgen import run_load  # noqa: E402
-from service.metrics import memory_rollup  # noqa: E402
+from service.telemetry.metrics import memory_rollup  # noqa: E402
 
 CORPUS = ROOT / "scripts" / "fixtures" / "corpus" / "mixed.txt"
 PATH = "/predict/batched"

@@ -76,7 +76,7 @@ def gunicorn_command(args: Sequence[str] = ()) -> list[str]:
 
 def planned(env: Mapping[str, str]) -> Plan:
     """The topology plan gunicorn_conf.py makes with the SERVE_* settings in ``env``, on this machine."""
-    from service.settings import Settings, cuda_visible_devices
+    from service.config.settings import Settings, cuda_visible_devices
     from service.topology.inventory import read_inventory
     from service.topology.plan import plan
 

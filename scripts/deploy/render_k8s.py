@@ -1,7 +1,7 @@
 """Render the Kubernetes manifests in deploy/k8s/ from the service's own settings.
 
 Like scripts/deploy/render_nginx.py, the service's side comes from the same SERVE_*
-variables the pods will run with (parsed by service.settings, so a bad value
+variables the pods will run with (parsed by service.config.settings, so a bad value
 fails here as it would in the pod), and the topology the pod will plan comes
 from service.topology, planned on the CPUs and GPUs the pod asks for:
 
@@ -37,9 +37,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from service.config.settings import Settings  # noqa: E402
 from service.errors import SettingsError  # noqa: E402
 from service.host import preload  # noqa: E402
-from service.settings import Settings  # noqa: E402
 from service.topology.inventory import Gpu, Inventory  # noqa: E402
 from service.topology.plan import Plan, plan  # noqa: E402
 

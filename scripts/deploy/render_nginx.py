@@ -1,7 +1,7 @@
 """Render deploy/nginx.conf for one backend or several.
 
 Service limits come from the same SERVE_* variables the service reads (parsed by
-service.settings, so a bad value fails here as it would there); where nginx
+service.config.settings, so a bad value fails here as it would there); where nginx
 listens, which backends it spreads load over and who may read /metrics come from
 the arguments, and how many requests a backend takes at once from the service's
 own plan for this host unless --max-in-flight says. Standard library only, so it
@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from service.config.settings import Settings  # noqa: E402
 from service.errors import SettingsError  # noqa: E402
-from service.settings import Settings  # noqa: E402
 from service.topology.inventory import Inventory, read_inventory  # noqa: E402
 from service.topology.plan import PROBE_HEADROOM, plan  # noqa: E402
 

@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 from scripts.common.launcher import LaunchError, free_port, start, stop, wait_ready  # noqa: E402
 from scripts.deploy.render_nginx import TEMPLATE, Options, gunicorn_keepalive, render  # noqa: E402
+from service.config.settings import Settings  # noqa: E402
 from service.errors import SettingsError  # noqa: E402
-from service.settings import Settings  # noqa: E402
 
 # Debian installs nginx in /usr/sbin, which is not on an ordinary user's PATH.
 NGINX_DIRS = ("/usr/sbin", "/usr/local/sbin", "/usr/local/nginx/sbin")

@@ -36,8 +36,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from scripts.bench.offline import Measurement, OfflineError, Split, Strategy, measure, splits_for
+from service.config.settings import Settings
 from service.errors import SettingsError
-from service.settings import Settings
 from service.topology.inventory import read_inventory
 
 GOOD_ENOUGH = 0.95
@@ -103,7 +103,7 @@ WORTH_IT = 1.1
 def precision(settings: Settings, corpus_path: str | None) -> None:
     """Each precision this machine allows, checked as the service checks it, against float32 on the corpus."""
     from scripts.bench.precision import CORPUS, against_float32, rerank_pairs
-    from service.model_spec import directory_task
+    from service.config.model_spec import directory_task
     from service.models.precision import PRECISIONS, check_device
 
     texts = [line.strip() for line in Path(corpus_path or CORPUS).read_text().splitlines() if line.strip()]

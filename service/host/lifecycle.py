@@ -36,7 +36,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from service.logs import ACCESS_LOGGER
+from service.telemetry.logs import ACCESS_LOGGER
 
 if TYPE_CHECKING:
     from service.model_set import ModelSet
@@ -142,15 +142,15 @@ def drain(worker: Any) -> None:
     try:
         _drain_batcher(worker)
     finally:
-        # The access lines still queued for the writer thread (service.logs.LineWriter),
-        # and the metric updates not yet written (service.tally): a dead worker's counters stay.
+        # The access lines still queued for the writer thread (service.telemetry.logs.LineWriter),
+        # and the metric updates not yet written (service.telemetry.tally): a dead worker's counters stay.
         for handler in logging.getLogger(ACCESS_LOGGER).handlers:
             handler.flush()
         _flush_metrics(worker)
 
 
 def _flush_metrics(worker: Any) -> None:
-    from service.metrics import EXTENSION
+    from service.telemetry.metrics import EXTENSION
 
     metrics = _extension(worker, EXTENSION)
     if metrics is not None:

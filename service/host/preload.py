@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from service.model_list import ModelEntry
+    from service.config.model_list import ModelEntry
+    from service.config.settings import Settings
     from service.models.base import Model
     from service.models.precision import Outcome
-    from service.settings import Settings
 
 # The master's environment while it builds: one thread for every pool that
 # reads one at load (torch's OpenMP and MKL, numpy's BLAS), no GPU, and no

@@ -28,8 +28,8 @@ from werkzeug.routing import Rule
 from werkzeug.wsgi import get_path_info
 
 from service.http.arrival import ARRIVAL_ENVIRON_KEY, MODEL_ENVIRON_KEY
-from service.logs import ACCESS_LOGGER
-from service.metrics import UNMATCHED_ROUTE, Metrics
+from service.telemetry.logs import ACCESS_LOGGER
+from service.telemetry.metrics import UNMATCHED_ROUTE, Metrics
 
 REQUEST_ID_HEADER = "X-Request-ID"
 # Where the middleware leaves what the app and the line share.

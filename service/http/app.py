@@ -5,6 +5,7 @@ from __future__ import annotations
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
+from service.config.settings import Settings
 from service.errors import ServeError
 from service.http import access, openai_api, rerank, routes, v2
 from service.http.direct import Direct
@@ -13,9 +14,8 @@ from service.http.inference import json_response
 from service.http.linger import Linger
 from service.http.routes import bp, require_token
 from service.http.shapes import answer_error
-from service.metrics import Metrics
 from service.model_set import ModelSet
-from service.settings import Settings
+from service.telemetry.metrics import Metrics
 
 # The routes service.http.direct answers: the protocols' busiest inference routes.
 DIRECT = {**routes.DIRECT, **openai_api.DIRECT, **v2.DIRECT, **rerank.DIRECT}

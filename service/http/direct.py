@@ -38,8 +38,8 @@ from service.http.routes import check_token
 from service.http.shapes import INTERNAL_ERROR, answer_error, error_document
 
 if TYPE_CHECKING:
-    from service.metrics import Metrics
     from service.model_set import ModelSet
+    from service.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

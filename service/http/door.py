@@ -56,11 +56,11 @@ from service.http.arrival import (
     proxy_wait,
     settle_wait,
 )
-from service.model_metrics import NO_MODEL
+from service.telemetry.model_metrics import NO_MODEL
 
 if TYPE_CHECKING:
-    from service.metrics import Metrics
     from service.model_set import ModelSet
+    from service.telemetry.metrics import Metrics
 
 # path -> whether its requests queue in the batcher (and so wait for the work ahead).
 ADMITTED_ROUTES = {"/predict": True, "/predict/batched": True, "/predict/naive": False}

@@ -23,8 +23,8 @@ from service.http.access import REQUEST_ID_ENVIRON_KEY
 from service.http.arrival import MODEL_ENVIRON_KEY, ask_to_hold
 
 if TYPE_CHECKING:
-    from service.metrics import Metrics
-    from service.settings import Settings
+    from service.config.settings import Settings
+    from service.telemetry.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

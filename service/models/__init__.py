@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from service.model_spec import BUILTIN, check_spec
+from service.config.model_spec import BUILTIN, check_spec
+from service.config.settings import Settings
 from service.models.base import Model, describe
-from service.settings import Settings
 
 __all__ = ["BUILTIN", "Model", "describe", "load_model"]
 

@@ -1,7 +1,7 @@
 """Image models: a TorchScript or torch.export program, its declared preprocessing, and its labels.
 
-The directory (recognised by service.model_spec) holds ``model.pt`` (or
-``model.pt2``, ``model.ts``), ``preprocess.json`` (service.image_spec) and,
+The directory (recognised by service.config.model_spec) holds ``model.pt`` (or
+``model.pt2``, ``model.ts``), ``preprocess.json`` (service.config.image_spec) and,
 for labelled outputs, ``labels.txt``: one label a line, in the order of the
 model's outputs. ``prepare`` decodes and preprocesses one image in the request
 thread (service.models.imaging); ``predict`` only stacks the arrays and runs
@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from service.config.image_spec import LABELS_FILE, program_file, read_image_spec
 from service.errors import SettingsError
-from service.image_spec import LABELS_FILE, program_file, read_image_spec
 from service.models.base import CLASSIFICATION, GENERIC
 from service.models.hf import directory_name
 from service.models.imaging import ImagePreprocessor

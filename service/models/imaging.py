@@ -2,7 +2,7 @@
 
 Public, so that a factory model takes images the way a model directory does:
 
-    from service.image_spec import ImageSpec
+    from service.config.image_spec import ImageSpec
     from service.models.imaging import ImagePreprocessor
 
     preprocess = ImagePreprocessor(ImageSpec(resize=256, center_crop=224, mean=[...], std=[...]))
@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from service.budget import Budget
+from service.config.budget import Budget
+from service.config.image_spec import ImageSpec
 from service.errors import PayloadTooLarge, ServeError, UnsupportedMediaType
-from service.image_spec import ImageSpec
 from service.models.base import json_type
 
 __all__ = ["DEFAULT_MAX_PIXELS", "IMAGE_TYPES", "ImageError", "ImagePreprocessor", "image_bytes"]

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from service.image_spec import LAYOUTS
+from service.config.image_spec import LAYOUTS
 
 AUTO, CONTIGUOUS, CHANNELS_LAST = LAYOUTS
 

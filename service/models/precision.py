@@ -16,7 +16,7 @@ choice moves MiniLM's embeddings from a median cosine of 0.94 to 0.99, so the
 layers whose quantization alone moves the outputs most stay in float32, as few
 as the floor allows (docs/models.md, "Precision").
 
-``auto`` picks bfloat16 on a CPU with AMX (service.precision_spec.auto_choice)
+``auto`` picks bfloat16 on a CPU with AMX (service.config.precision_spec.auto_choice)
 and holds it to a stricter floor than an explicit request (AUTO_FLOOR): a
 precision nobody asked for keeps every clear top answer. On a CPU with
 avx512_bf16 and no AMX it must also measure faster than float32 on the samples.
@@ -41,8 +41,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from service.models.base import CLASSIFICATION, EMBEDDINGS, FILL_MASK, RERANK
-from service.precision_spec import (  # the rules the master checks too
+from service.config.precision_spec import (  # the rules the master checks too
     AMX_FLAG,
     AUTO,
     BFLOAT16,
@@ -59,8 +58,9 @@ from service.precision_spec import (  # the rules the master checks too
     onednn_cache_capacity,
     resolve,
 )
+from service.models.base import CLASSIFICATION, EMBEDDINGS, FILL_MASK, RERANK
 
-# What the workers use of the rules, from here as from service.precision_spec.
+# What the workers use of the rules, from here as from service.config.precision_spec.
 __all__ = [
     "AMX_FLAG",
     "AUTO",
@@ -148,7 +148,7 @@ class Outcome:
     kept_float32: tuple[str, ...] = ()
     # Why a reduced precision was asked for (or chosen) and float32 is in use instead.
     fallback: str | None = None
-    # Why ``auto`` aimed where it did (service.precision_spec.auto_choice); None when asked for by name.
+    # Why ``auto`` aimed where it did (precision_spec.auto_choice); None when asked for by name.
     reason: str | None = None
     # The reduced network's speed over float32's on the sample items, where it was measured.
     speedup: float | None = None

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from service.config.settings import Settings
 from service.models import precision as p
-from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ def main(argv: list[str]) -> int:
     """The child's side of ``_check_in_child``: load, settle (checked, shared), write the choice."""
     from service.models import load_model
     from service.models.base import task_of
-    from service.runtime import configure_torch
+    from service.models.device import configure_torch
 
     logging.basicConfig(level=logging.INFO, format="[precision check %(process)d] %(levelname)s %(message)s")
     settings = Settings.from_env().replace(model=argv[1])

@@ -1,6 +1,6 @@
 """Which module serves a model directory's task: one module per kind, imported only when used.
 
-service.model_spec recognises the task from the directory's files (without
+service.config.model_spec recognises the task from the directory's files (without
 torch, in the gunicorn master); this maps it to the kind's class, in the worker.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from service.model_spec import directory_task
+from service.config.model_spec import directory_task
 from service.models.base import CLASSIFICATION, EMBEDDINGS, FILL_MASK, RERANK, Model
 
 KINDS = {

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 
+from service.config.model_spec import weights
+from service.config.settings import Settings, cuda_visible_devices
 from service.errors import SettingsError
-from service.model_spec import weights
-from service.settings import Settings, cuda_visible_devices
 from service.topology.inventory import read_inventory
 from service.topology.plan import plan
 from service.topology.table import render

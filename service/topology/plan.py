@@ -12,9 +12,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from service.config.model_spec import Weights
+from service.config.settings import Settings
 from service.errors import SettingsError
-from service.model_spec import Weights
-from service.settings import Settings
 from service.topology.inventory import Gpu, Inventory
 
 # Requests a worker must still take while a full batch waits: /healthz, /readyz,
@@ -118,7 +118,7 @@ def plan(
 ) -> Plan:
     """The workers, threads and GPU shares for ``settings`` on ``inventory``.
 
-    ``weights`` (service.model_spec.weights, read from disk by the caller; one
+    ``weights`` (service.config.model_spec.weights, read from disk by the caller; one
     per model SERVE_MODEL lists) lets a GPU plan say what each worker's copies
     of the weights take at the precision in use, and warn where its share
     cannot hold them. Every worker holds every model; its models take turns on

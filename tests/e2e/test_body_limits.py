@@ -22,7 +22,7 @@ import pytest
 import requests
 from PIL import Image
 
-from service.settings import DEFAULT_BODY_BYTES, image_body_bytes
+from service.config.settings import DEFAULT_BODY_BYTES, image_body_bytes
 from tests.support import images
 from tests.support.nginx import NGINX, SKIP_REASON, nginx
 from tests.support.server import Server, gunicorn

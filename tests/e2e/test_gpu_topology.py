@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from service.settings import Settings, cuda_visible_devices
+from service.config.settings import Settings, cuda_visible_devices
 from service.topology.inventory import Inventory, read_inventory
 from service.topology.plan import plan
 from tests.support.server import Server, gunicorn

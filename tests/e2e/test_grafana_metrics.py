@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from scripts.common.launcher import ROOT
-from service.metrics import Metrics
-from service.settings import Settings
+from service.config.settings import Settings
+from service.telemetry.metrics import Metrics
 from tests.support.metrics import Scrape
 from tests.support.prometheus import RULE_FILES
 from tests.support.promql import from_grafana, metric_names, selectors

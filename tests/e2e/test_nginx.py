@@ -23,7 +23,7 @@ import pytest
 import requests
 
 from scripts.deploy.render_nginx import TEMPLATE, Options, gunicorn_keepalive, render
-from service.settings import Settings
+from service.config.settings import Settings
 from tests.support.nginx import NGINX, SKIP_REASON, Proxy, nginx
 from tests.support.server import Server, free_port, gunicorn
 

@@ -17,7 +17,7 @@ WIDTH = 4
 SMALL = {"SERVE_MODEL": "mlp", "SERVE_MLP_WIDTH": str(WIDTH), "SERVE_MLP_DEPTH": "1", "SERVE_WORKERS": "1"}
 BATCHED, NAIVE = 7, 3
 ITEMS_PER_REQUEST = 2
-# The series a model's batcher writes (service.model_metrics).
+# The series a model's batcher writes (service.telemetry.model_metrics).
 BATCHING = ("serve_batch", "serve_inferred")
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.metrics import memory_rollup
+from service.telemetry.metrics import memory_rollup
 from tests.e2e.test_reliability import eventually
 from tests.support.metrics import Scrape
 from tests.support.server import Server, gunicorn

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from service.image_spec import ImageSpec
+from service.config.image_spec import ImageSpec
 from service.models.imaging import ImagePreprocessor
 
 LABELS = [f"product-{i}" for i in range(10)]

@@ -15,9 +15,9 @@ import pytest
 from flask.testing import FlaskClient
 
 from service.batching import native
+from service.config.settings import Settings
 from service.http.access import REQUEST_ID_HEADER, request_id
-from service.logs import ACCESS_LOGGER, JsonFormatter, LineWriter, logging_config
-from service.settings import Settings
+from service.telemetry.logs import ACCESS_LOGGER, JsonFormatter, LineWriter, logging_config
 
 VECTOR = [0.1 * i for i in range(16)]
 
@@ -143,7 +143,7 @@ def test_the_logging_config_routes_access_lines_to_stdout_and_the_rest_to_stderr
     program = textwrap.dedent(
         f"""
         import logging, logging.config
-        from service.logs import logging_config
+        from service.telemetry.logs import logging_config
         logging.config.dictConfig(logging_config({log_format!r}))
         logging.getLogger("service.access").info("the access line")
         logging.getLogger("service.runtime").info("a service line")
@@ -163,7 +163,7 @@ def test_the_logging_config_routes_access_lines_to_stdout_and_the_rest_to_stderr
 
 def test_logging_config_is_a_valid_document() -> None:
     config = logging_config("json")
-    assert config["formatters"]["serve"] == {"()": "service.logs.JsonFormatter"}
+    assert config["formatters"]["serve"] == {"()": "service.telemetry.logs.JsonFormatter"}
     assert "gunicorn.access" not in config["loggers"]  # left to gunicorn, whose access log stays off
 
 
@@ -173,7 +173,7 @@ def test_access_lines_from_many_threads_and_a_forked_child_all_come_out_whole() 
     program = textwrap.dedent(
         """
         import logging, logging.config, os, sys, threading
-        from service.logs import logging_config
+        from service.telemetry.logs import logging_config
         logging.config.dictConfig(logging_config("text"))
         access = logging.getLogger("service.access")
         access.info("before the fork")
@@ -260,7 +260,7 @@ def test_a_fault_recording_the_metrics_does_not_fail_the_answer(
     client: FlaskClient, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # As a metrics file on a full disk would: the answer is made, and still goes out, with its id.
-    from service.metrics import EXTENSION as METRICS
+    from service.telemetry.metrics import EXTENSION as METRICS
 
     metrics = client.application.extensions[METRICS]
 

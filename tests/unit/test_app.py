@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flask.testing import FlaskClient
 
+from service.config.settings import Settings
 from service.runtime import EXTENSION, LOAD_FAILED
-from service.settings import Settings
 from tests.support.models import POISON, SECRET_PATH, EchoModel
 
 VECTOR = [0.1 * i for i in range(16)]

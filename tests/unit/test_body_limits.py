@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 
 from scripts.deploy.render_nginx import TEMPLATE, Options, gunicorn_keepalive, render
-from service.budget import Budget, body_budget_bytes
+from service.config.budget import Budget, body_budget_bytes
+from service.config.image_spec import ImageSpec
+from service.config.settings import DEFAULT_BODY_BYTES, Settings, image_body_bytes
 from service.errors import Overloaded, UnsupportedMediaType
 from service.http.inference import SMALL_BODY_BYTES, take_body_room
 from service.http.linger import Linger, discard_body
-from service.image_spec import ImageSpec
 from service.models.imaging import ImagePreprocessor, sniff
-from service.settings import DEFAULT_BODY_BYTES, Settings, image_body_bytes
 
 MiB = 1 << 20
 

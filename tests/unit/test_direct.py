@@ -17,6 +17,7 @@ import pytest
 from flask import Flask
 
 from service import create_app
+from service.config.settings import Settings
 from service.errors import NotReady
 from service.http import direct as direct_module
 from service.http import routes
@@ -24,7 +25,6 @@ from service.http.access import REQUEST_ID_HEADER
 from service.http.arrival import HOLD_ENVIRON_KEY
 from service.http.direct import Direct
 from service.runtime import EXTENSION
-from service.settings import Settings
 from tests.conftest import wait_until_ready
 
 TOKEN = "s3cret"

@@ -14,8 +14,8 @@ from typing import Any
 
 from flask.testing import FlaskClient
 
+from service.config.settings import Settings
 from service.http.arrival import ARRIVAL_ENVIRON_KEY, HOLD_ENVIRON_KEY
-from service.settings import Settings
 from tests.conftest import SMALL_MLP
 from tests.support.metrics import Scrape
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from flask.testing import FlaskClient
 
-from service.settings import Settings
+from service.config.settings import Settings
 from tests.support.metrics import Scrape
 
 TEXTS = ["one", "two words", "a text of five words", "and one of six words here"]

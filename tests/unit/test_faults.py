@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 from flask.testing import FlaskClient
 
+from service.config.settings import Settings
 from service.host import lifecycle
 from service.runtime import EXTENSION, ModelRuntime
-from service.settings import Settings
 from tests.support.models import SECRET_PATH
 
 SCRIPTED = Settings(model="tests.support.models:scripted", request_timeout_ms=200, stall_timeout_ms=1000)

@@ -28,7 +28,7 @@ from scripts.bench.gpu_check import (
     workers_for_overrun,
 )
 from scripts.bench.gpu_report import Check, Report, format_report
-from service.settings import Settings
+from service.config.settings import Settings
 from service.topology.inventory import Gpu, Inventory
 from service.topology.plan import Plan, plan
 from tests.support.no_gpu import run_without_gpu

@@ -23,8 +23,8 @@ from scripts.bench.gpu_pack import (
     wheel_project,
 )
 from scripts.fixtures.make_bert_base import SHAPES, Shape, config, write
+from service.config.settings import Settings
 from service.models import load_model
-from service.settings import Settings
 
 TINY = Shape(layers=2, hidden=32, heads=2, intermediate=64)
 # What `pip download` brought for flask, gunicorn, gevent and orjson, at requirements.lock's pins.

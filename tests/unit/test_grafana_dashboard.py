@@ -30,7 +30,7 @@ PANELS = (
     "Worker memory",
     "Items per second",
 )
-# What each served model writes (service.model_metrics), and the request series,
+# What each served model writes (service.telemetry.model_metrics), and the request series,
 # labelled with the model a request was routed to: the panels filter them by $model.
 MODEL_SERIES = frozenset(
     {

@@ -129,9 +129,9 @@ print(conf["plan"].workers[0].device, "torch" in sys.modules)
 def test_sharing_is_wanted_on_cpu_plans_with_it_on_and_the_model_is_taken_only_by_a_cpu_worker_of_its_spec(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from service.config.settings import Settings
     from service.host import preload
     from service.models.precision import Outcome
-    from service.settings import Settings
 
     on, off = Settings(), Settings(share_weights=False)
     assert preload.wanted(on, ["cpu", "cpu"])

@@ -20,10 +20,10 @@ from flask.testing import FlaskClient
 
 from scripts.bench.gpu_pack import convert_weights
 from scripts.fixtures.make_bert_base import Shape, write
+from service.config.settings import Settings
 from service.models import load_model
 from service.models import precision as p
 from service.runtime import EXTENSION
-from service.settings import Settings
 
 TINY = Shape(layers=2, hidden=32, heads=2, intermediate=64)
 LENIENT = p.Floor(min_cosine=-1, median_cosine=-1, top1_agreement=0, max_score_diff=1e9)

@@ -15,7 +15,7 @@ from flask.testing import FlaskClient
 from hypothesis import HealthCheck, given, settings
 
 from service import create_app
-from service.settings import Settings
+from service.config.settings import Settings
 from tests.conftest import wait_until_ready
 from tests.support import hostile, images
 from tests.unit.test_hostile_input import ROUTES, check

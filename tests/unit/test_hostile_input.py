@@ -13,8 +13,8 @@ from flask.testing import FlaskClient
 from hypothesis import HealthCheck, given, settings
 
 from service import create_app
+from service.config.settings import Settings
 from service.runtime import EXTENSION
-from service.settings import Settings
 from tests.conftest import wait_until_ready
 from tests.support import hostile
 

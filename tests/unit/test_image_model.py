@@ -17,11 +17,11 @@ from PIL import Image
 from werkzeug.datastructures import FileStorage, MultiDict
 from werkzeug.test import encode_multipart
 
+from service.config.image_spec import ImageSpec
+from service.config.model_spec import check_spec, default_onednn_cache, directory_task
+from service.config.settings import PILLOW_MAX_IMAGE_PIXELS, Settings
 from service.errors import PayloadTooLarge, SettingsError
-from service.image_spec import ImageSpec
-from service.model_spec import check_spec, default_onednn_cache, directory_task
 from service.models.imaging import ImagePreprocessor, crop_box, resized
-from service.settings import PILLOW_MAX_IMAGE_PIXELS, Settings
 from tests.support import images
 
 pytestmark = pytest.mark.filterwarnings(images.JIT_DEPRECATED)

@@ -27,8 +27,8 @@ from scripts.deploy.render_k8s import (
     pod_plan,
     render,
 )
+from service.config.settings import Settings
 from service.errors import SettingsError
-from service.settings import Settings
 from tests.support.prometheus import PROMTOOL, RULE_FILES, SKIP_PROMTOOL, promtool
 
 VALIDATE = shutil.which("kubernetes-validate", path=str(Path(sys.executable).parent))

@@ -10,10 +10,10 @@ import pytest
 import torch
 from flask.testing import FlaskClient
 
+from service.config.settings import Settings
 from service.errors import SettingsError
 from service.models.image import ImageModel
 from service.models.layout import CHANNELS_LAST, CONTIGUOUS, MIN_GAIN, ROUNDS, decide, measure
-from service.settings import Settings
 from tests.support import images
 
 pytestmark = pytest.mark.filterwarnings(images.JIT_DEPRECATED)

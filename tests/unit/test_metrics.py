@@ -12,15 +12,15 @@ import torch
 from flask.testing import FlaskClient
 from prometheus_client import values
 
+from service.config.settings import Settings
 from service.errors import DeadlineExceeded, Overloaded, SettingsError
 from service.host import multiproc
 from service.http.access import Access
 from service.http.arrival import MODEL_ENVIRON_KEY
 from service.http.shapes import answer_error
-from service.metrics import EXTENSION as METRICS
-from service.metrics import REJECTION_REASONS, TIMEOUT_REASONS, Metrics
 from service.runtime import EXTENSION
-from service.settings import Settings
+from service.telemetry.metrics import EXTENSION as METRICS
+from service.telemetry.metrics import REJECTION_REASONS, TIMEOUT_REASONS, Metrics
 from tests.support.metrics import Scrape
 from tests.support.models import EchoModel
 
@@ -269,7 +269,7 @@ def test_multiprocess_counters_keep_dead_workers_and_gauges_drop_them(
         metrics.on_queue_depth(2)
         metrics.on_model_loaded("cpu", 0.5)
     # Each has a request in flight, so its request updates wait for its next
-    # flush (service.tally); the one that renders flushes its own.
+    # flush (service.telemetry.tally); the one that renders flushes its own.
     workers[102].flush()
 
     alive = Scrape.parse(workers[101].render())

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from flask.testing import FlaskClient
 
+from service.config.model_spec import check_spec, directory_task
+from service.config.settings import Settings
 from service.errors import SettingsError
-from service.model_spec import check_spec, directory_task
-from service.settings import Settings
 
 ROUTES = ["/predict/naive", "/predict/batched"]
 TEXTS = ["I loved this film.", "The service was slow, the food cold and the bill wrong.", "ok"]

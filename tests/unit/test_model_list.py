@@ -1,12 +1,12 @@
-"""SERVE_MODEL's list of models: names, aliases, escapes and what is refused (service.model_list)."""
+"""SERVE_MODEL's list of models: names, aliases, escapes and what is refused (service.config.model_list)."""
 
 from __future__ import annotations
 
 import pytest
 
+from service.config.model_list import ModelEntry, parse_models
+from service.config.settings import Settings
 from service.errors import SettingsError
-from service.model_list import ModelEntry, parse_models
-from service.settings import Settings
 
 
 def test_a_lone_spec_is_one_unnamed_model_as_before() -> None:

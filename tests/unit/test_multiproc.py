@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from service.config.settings import Settings
 from service.host import multiproc
-from service.settings import Settings
 
 
 def test_no_directory_given_makes_a_fresh_one_that_cleanup_removes() -> None:

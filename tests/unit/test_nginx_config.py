@@ -18,9 +18,9 @@ from scripts.deploy.render_nginx import (
     in_flight_per_backend,
     render,
 )
+from service.config.settings import Settings
 from service.errors import SettingsError
 from service.http.access import request_id
-from service.settings import Settings
 from service.topology.inventory import Inventory
 from tests.support.server import ROOT
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from scripts.bench.offline import OfflineError, Split, Strategy, measure
-from service.settings import Settings
+from service.config.settings import Settings
 
 # Each case spawns processes that import torch.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flask.testing import FlaskClient
 
-from service.settings import Settings
+from service.config.settings import Settings
 from tests.support.metrics import Scrape
 
 VECTORS = Settings(model="tests.support.models:vectors", max_items_per_request=8)

@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from service.config.settings import Settings
 from service.errors import SettingsError
 from service.models import load_model
 from service.models import precision as p
 from service.models.precision_cache import settle
-from service.settings import Settings
 
 LENIENT = p.Floor(
     min_cosine=-1, median_cosine=-1, top1_agreement=0, max_score_diff=1e9, clear_share=0, top1_where_clear=0

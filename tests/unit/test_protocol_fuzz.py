@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from service import create_app
-from service.settings import Settings
+from service.config.settings import Settings
 from tests.conftest import wait_until_ready
 from tests.support import hostile
 

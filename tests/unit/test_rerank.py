@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flask.testing import FlaskClient
 
-from service.settings import Settings
+from service.config.settings import Settings
 
 QUERY = "how long do cats sleep"
 DOCUMENTS = [

@@ -15,6 +15,7 @@ from typing import Any
 
 from flask.testing import FlaskClient
 
+from service.config.settings import Settings
 from service.host.worker import StampedApp, take_refused_digest
 from service.http.arrival import HELD_OUT, HOLD_ENVIRON_KEY, LET_IN, RETURNING_ENVIRON_KEY, ask_to_hold
 from service.http.linger import Linger, discard_body
@@ -27,7 +28,6 @@ from service.http.resend import (
     is_resend,
 )
 from service.runtime import EXTENSION
-from service.settings import Settings
 from tests.conftest import SMALL_MLP
 
 MiB = 1 << 20

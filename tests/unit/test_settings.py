@@ -4,8 +4,8 @@ import math
 
 import pytest
 
+from service.config.settings import Settings
 from service.errors import SettingsError
-from service.settings import Settings
 
 
 def test_defaults_with_an_empty_environment() -> None:

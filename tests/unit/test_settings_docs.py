@@ -1,4 +1,4 @@
-"""docs/settings.md and service/settings.py describe the same settings.
+"""docs/settings.md and service/config/settings.py describe the same settings.
 
 The table in docs/settings.md has the columns variable, default, allowed and meaning.
 The rules it must follow:
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import pytest
 
-from service.settings import _FIELDS, Settings, _Choice, _Integer, _Number
+from service.config.settings import _FIELDS, Settings, _Choice, _Integer, _Number
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
 HEADER = ["variable", "default", "allowed", "meaning"]
-# Read by service.settings.cuda_visible_devices(), outside the dataclass.
+# Read by service.config.settings.cuda_visible_devices(), outside the dataclass.
 OTHER_VARIABLES = {"CUDA_VISIBLE_DEVICES"}
 
 FIELD_OF = {var: name for name, (var, _) in _FIELDS.items()}
@@ -76,7 +76,9 @@ def test_every_setting_has_exactly_one_row_and_every_row_is_a_setting() -> None:
     missing = sorted(set(FIELD_OF) - set(names))
     assert not missing, f"docs/settings.md has no row for {missing}: add one"
     unknown = sorted(set(names) - set(FIELD_OF) - OTHER_VARIABLES)
-    assert not unknown, f"docs/settings.md has rows for {unknown}, which service/settings.py does not read"
+    assert not unknown, (
+        f"docs/settings.md has rows for {unknown}, which service/config/settings.py does not read"
+    )
 
 
 @pytest.mark.parametrize("var", sorted(FIELD_OF))
@@ -96,7 +98,7 @@ def test_the_default_cell_matches_the_dataclass_default(var: str) -> None:
     documented = parse(var, spans[0])
     assert documented == default, (
         f"{var}: docs/settings.md says the default is {spans[0]!r} ({documented!r}), "
-        f"service/settings.py says {default!r}"
+        f"service/config/settings.py says {default!r}"
     )
 
 

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from flask.testing import FlaskClient
 
+from service.config.settings import Settings
 from service.runtime import EXTENSION
-from service.settings import Settings
 
 VECTORS = "tests.support.models:vectors"
 ECHO = "tests.support.models:echo"

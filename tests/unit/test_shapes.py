@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from service.batching.subbatch import Cost, CostModel, cut
+from service.config.settings import Settings
 from service.models import load_model
 from service.models.precision import sample_items
 from service.models.shapes import ShapeSteps, padded_length, steps_for
 from service.runtime import bound_shapes
-from service.settings import Settings
 
 
 def test_rows_step_by_powers_of_two_up_to_the_largest_batch() -> None:

@@ -1,4 +1,4 @@
-"""The request threads' metric updates, recorded and written a batch at a time (service.tally)."""
+"""The request threads' metric updates, recorded and written a batch at a time (service.telemetry.tally)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from service.metrics import SECONDS_BUCKETS
-from service.tally import Tally, observe_all
+from service.telemetry.metrics import SECONDS_BUCKETS
+from service.telemetry.tally import Tally, observe_all
 
 # On bucket bounds, between them, past the last finite one, below the first, and NaN.
 VALUES = [0.0005, 0.0007, 0.001, 0.004, 0.25, 0.2500001, 30.0, 31.0, 1e9, -1.0, 0.0, math.nan] * 3

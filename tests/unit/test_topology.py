@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from service.config.settings import Settings
 from service.errors import SettingsError
-from service.settings import Settings
 from service.topology.inventory import Gpu, Inventory
 from service.topology.plan import Plan, plan
 from service.topology.table import render
@@ -354,7 +354,7 @@ def test_a_cpu_plan_has_no_gpu_share_to_check() -> None:
 
 
 def test_a_gpu_plan_sizes_each_workers_weights_at_the_precision_in_use() -> None:
-    from service.model_spec import Weights
+    from service.config.model_spec import Weights
 
     inventory = Inventory(affinity_cores=8, cpu_quota=None, gpus=(gpu(0, 8_192),))
     text = Weights(mb=1_300, bytes_per_number=4, reducible=True)
@@ -367,7 +367,7 @@ def test_a_gpu_plan_sizes_each_workers_weights_at_the_precision_in_use() -> None
 
 
 def test_a_share_too_small_for_the_weights_is_warned_of() -> None:
-    from service.model_spec import Weights
+    from service.config.model_spec import Weights
 
     inventory = Inventory(affinity_cores=8, cpu_quota=None, gpus=(gpu(0, 8_192),))
     big = Weights(mb=12_000, bytes_per_number=4, reducible=True)
@@ -378,7 +378,7 @@ def test_a_share_too_small_for_the_weights_is_warned_of() -> None:
 
 def test_a_gpu_plan_sizes_each_workers_share_for_every_model_it_holds() -> None:
     # GPU planning is mocked: an inventory of one 8 GiB GPU, no device needed.
-    from service.model_spec import Weights
+    from service.config.model_spec import Weights
 
     inventory = Inventory(affinity_cores=8, cpu_quota=None, gpus=(gpu(0, 8_192),))
     embed = Weights(mb=1_300, bytes_per_number=4, reducible=True)
@@ -397,7 +397,7 @@ def test_a_gpu_plan_sizes_each_workers_share_for_every_model_it_holds() -> None:
 def test_the_weights_of_a_directory_are_read_from_its_files(model_dirs: dict[str, object]) -> None:
     from pathlib import Path
 
-    from service.model_spec import weights
+    from service.config.model_spec import weights
 
     found = weights("minilm")
     assert found is not None and found.reducible and 80 < found.mb < 100 and found.bytes_per_number == 4

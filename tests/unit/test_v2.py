@@ -14,7 +14,7 @@ from flask.testing import FlaskClient
 from werkzeug.test import TestResponse
 
 import service
-from service.settings import Settings
+from service.config.settings import Settings
 from tests.support.metrics import Scrape
 from tests.support.server import ROOT
 

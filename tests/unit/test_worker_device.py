@@ -8,8 +8,8 @@ import pytest
 import torch
 from flask.testing import FlaskClient
 
+from service.config.settings import Settings
 from service.runtime import EXTENSION, LOAD_FAILED
-from service.settings import Settings
 
 ECHO = Settings(model="tests.support.models:echo", torch_threads=1)
 

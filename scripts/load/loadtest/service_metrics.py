@@ -2,7 +2,7 @@
 
 Pure: ``Reading.parse`` turns the Prometheus text into counters, a difference of two
 readings is what happened between them, and ``rows`` turns such a difference into the
-figures the dashboard shows. The counters are those of ``service/metrics.py``; a metric
+figures the dashboard shows. The counters are those of ``service/telemetry/metrics.py``; a metric
 the service does not export reads as zero, so an older or newer service still works.
 Each figure is summed over the series that make it up: a service of several models has
 one per model (the ``model`` label), and an older one a single series.

@@ -1,6 +1,6 @@
 """What an image model declares about its inputs and outputs, read from ``preprocess.json``.
 
-Free of Pillow, torch and numpy, like service.model_spec, which uses it: the
+Free of Pillow, torch and numpy, like service.config.model_spec, which uses it: the
 gunicorn master checks the declaration before it forks, so a typo in it stops
 the service at once rather than in every worker. service.models.imaging runs
 the declaration (in the request threads); service.models.image serves a model

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from service.config.image_spec import PREPROCESS_FILE, PROGRAM_FILES, program_file, read_image_spec
+from service.config.precision_spec import AUTO, BFLOAT16, ONEDNN_DEFAULT_CACHE, auto_choice
 from service.errors import SettingsError
-from service.image_spec import PREPROCESS_FILE, PROGRAM_FILES, program_file, read_image_spec
-from service.precision_spec import AUTO, BFLOAT16, ONEDNN_DEFAULT_CACHE, auto_choice
 
 BUILTIN = ("minilm", "mlp")
 # .pt2 is a torch.export program; the others are TorchScript.
@@ -142,7 +142,7 @@ def default_onednn_cache(spec: str, precision: str, cpu_flags: frozenset[str]) -
 
     ``precision`` is SERVE_PRECISION as set: a text model runs in bfloat16 when
     asked by name, or by ``auto`` on a processor with native bfloat16
-    (service.precision_spec.auto_choice, given the cache it would have). The
+    (service.config.precision_spec.auto_choice, given the cache it would have). The
     gunicorn master asks again with the precision its check settled, so that a
     model kept in float32 runs with no cache, as float32 always has.
     """

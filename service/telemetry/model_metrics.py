@@ -25,7 +25,7 @@ from service.batching import native
 from service.batching.batcher import BatchObserver
 
 if TYPE_CHECKING:
-    from service.metrics import Metrics
+    from service.telemetry.metrics import Metrics
 
 # The model label of what no model is known for: a health probe, a scrape, a
 # request refused before its model was. Prometheus stores an empty label as

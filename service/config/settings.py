@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from service.config.image_spec import LAYOUTS, PREPROCESS_FILE
+from service.config.model_list import ModelEntry, parse_models
+from service.config.precision_spec import PRECISIONS
 from service.errors import SettingsError
-from service.image_spec import LAYOUTS, PREPROCESS_FILE
-from service.model_list import ModelEntry, parse_models
-from service.precision_spec import PRECISIONS
 
 WORKER_CLASSES = ("gthread", "gevent", "sync")
 LOG_FORMATS = ("text", "json")
@@ -104,7 +104,7 @@ def _text(name: str, raw: str) -> str:
 
 def _model_list(name: str, raw: str) -> str:
     value = _text(name, raw)
-    parse_models(value)  # refused now if its grammar is broken (service.model_list)
+    parse_models(value)  # refused now if its grammar is broken (service.config.model_list)
     return value
 
 
@@ -204,7 +204,7 @@ def image_body_bytes(max_image_pixels: int) -> int:
 def default_body_bytes(model: str, max_image_pixels: int) -> int:
     """SERVE_MAX_BODY_BYTES when unset: the image rule for an image model directory, else the text default.
 
-    An image model directory is known by its preprocess.json (service.model_spec
+    An image model directory is known by its preprocess.json (service.config.model_spec
     checks the rest). A factory that serves images is not seen from here: it
     sets SERVE_MAX_BODY_BYTES itself.
     """
@@ -275,7 +275,7 @@ class Settings:
     # oneDNN primitives each worker keeps (ONEDNN_PRIMITIVE_CACHE_CAPACITY): one
     # per op and input shape, so mixed-length batches fill oneDNN's default 1024
     # and the worker's memory with it (docs/reliability.md, "Memory"). None: 0,
-    # or 1024 for a model of fixed input shapes (service.model_spec).
+    # or 1024 for a model of fixed input shapes (service.config.model_spec).
     onednn_cache: int | None = None
     devices: str = "auto"
     workers_per_device: int | None = None
@@ -335,7 +335,7 @@ class Settings:
 
     @property
     def models(self) -> tuple[ModelEntry, ...]:
-        """The models SERVE_MODEL lists, the default first (service.model_list)."""
+        """The models SERVE_MODEL lists, the default first (service.config.model_list)."""
         return parse_models(self.model)
 
     def for_model(self, entry: ModelEntry) -> Settings:

@@ -17,9 +17,9 @@
 # - Outside gunicorn (settings.prometheus_multiproc_dir is None) the values
 #   live in this app's own registry, which /metrics renders.
 # - Threads: request threads record through the HTTP hooks (service.access)
-#   and the door into a Tally (service.tally), which writes a batch of their
+#   and the door into a Tally (service.telemetry.tally), which writes a batch of their
 #   updates at a time; each served model's batch thread and loader thread write
-#   through its own BatchObserver (for_model: service.model_metrics), into the
+#   through its own BatchObserver (for_model: service.telemetry.model_metrics), into the
 #   same Tally. prometheus_client holds a lock only for the length of one update, with no
 #   switch to another greenlet inside. Under gunicorn its locks are native OS
 #   locks even in a gevent worker, because gunicorn_conf.py imports it in the
@@ -55,10 +55,10 @@ from prometheus_client import (
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from service.batching.batcher import BatchObserver
+from service.config.settings import Settings
 from service.errors import DeadlineExceeded, Overloaded, ServeError, SettingsError
-from service.model_metrics import NO_MODEL, ModelMetrics
-from service.settings import Settings
-from service.tally import Tally
+from service.telemetry.model_metrics import NO_MODEL, ModelMetrics
+from service.telemetry.tally import Tally
 
 EXTENSION = "serve_metrics"
 
@@ -135,7 +135,7 @@ class Metrics(BatchObserver):
         self.in_flight = _gauge(
             r, "serve_http_requests_in_flight", "Requests being handled now, /metrics scrapes included."
         )
-        # Per served model (service.model_metrics): each has its own batcher.
+        # Per served model (service.telemetry.model_metrics): each has its own batcher.
         self.queue_wait = _histogram(
             r,
             "serve_batch_queue_wait_seconds",
@@ -283,7 +283,7 @@ class Metrics(BatchObserver):
         self._shed_series: dict[tuple[Counter, str, str], Any] = {}
         # Refusals before a request's model is known (the door's) count under no model.
         self.open_shedding(NO_MODEL)
-        # Request threads' and batch threads' updates, written a batch at a time (service.tally).
+        # Request threads' and batch threads' updates, written a batch at a time (service.telemetry.tally).
         self.tally = Tally(in_flight=self.in_flight)
         # Where the BatchObserver hooks of Metrics itself go (see the class's docstring).
         self._unnamed = ModelMetrics(self, None)
@@ -427,7 +427,7 @@ class Metrics(BatchObserver):
     def render(self) -> bytes:
         """The Prometheus text exposition of every worker's metrics."""
         # Other workers' figures are as of their last batch and their last flush
-        # (service.tally: exact once idle); this one's are fresh.
+        # (service.telemetry.tally: exact once idle); this one's are fresh.
         self.tally.flush()
         self._record_gpu_memory()
         self._record_resident_memory(force=True)
