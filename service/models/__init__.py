@@ -1,4 +1,11 @@
-"""Model loading: ``SERVE_MODEL`` names a built-in model, a model directory, a factory or a file."""
+"""The models: loading what ``SERVE_MODEL`` names, and everything that touches torch to run it.
+
+Runs in each worker (and, built but never run, in the gunicorn master):
+loading a built-in model, a model directory, a factory or a file (here,
+registry, user); the kinds of model (minilm, hf and the text kinds, image,
+mlp); their precision and its exactness check (precision, precision_cache);
+their call shapes (shapes); and the process's torch pools and device (device).
+"""
 
 from __future__ import annotations
 
