@@ -63,7 +63,7 @@ if plan.worker_connections is not None:
     worker_connections = plan.worker_connections
 timeout = plan.timeout_s
 # A worker's memory grows with the many tensor shapes of mixed-length batches
-# (docs/reliability.md, "Memory"); replacing it after SERVE_MAX_REQUESTS bounds
+# (docs/memory.md); replacing it after SERVE_MAX_REQUESTS bounds
 # that. The jitter, a tenth, keeps the workers from being replaced together:
 # while one loads its model, the others serve.
 max_requests = settings.max_requests

@@ -107,7 +107,7 @@ HPA_TARGET_PER_WORKER = 8
 class Options:
     """The cluster side; the service's side comes from Settings."""
 
-    # Default: the CPU image scripts/deploy/build-image makes, or its CUDA variant (docs/deploy.md).
+    # Default: the CPU image scripts/deploy/build-image makes, or its CUDA variant (docs/kubernetes.md).
     image: str | None = None
     cpus: int = 2
     gpus: int = 0

@@ -137,7 +137,7 @@ def in_flight_per_backend(settings: Settings, inventory: Inventory | None = None
     sync. More in flight only waits longer: a worker runs one batch at a time,
     and a request past the next batch is one the service would refuse for its
     latency budget, at the cost of its request path, while nginx refuses it in
-    microseconds (docs/reliability.md measures 144, 272 and 640 a backend). For
+    microseconds (docs/overload.md measures 144, 272 and 640 a backend). For
     backends unlike this host (GPUs, other core counts) pass --max-in-flight.
     """
     try:

@@ -19,7 +19,7 @@ command line prints its summary as JSON.
 
 One asyncio loop in one process, by design: on a 2-core machine the generator
 must leave the service most of the CPU. Its own ceiling (measured against
-/healthz, see docs/reliability.md) is what it can offer while staying on
+/healthz, see docs/overload.md) is what it can offer while staying on
 schedule; past it, the "behind" figures grow and the summary says so.
 """
 

@@ -82,7 +82,7 @@ def check_spec(spec: str) -> str:
 # oneDNN's own default capacity. An image model's inputs have one size, so its
 # convolutions' primitives, one per batch size, are found again in the cache; a
 # text model's have a new shape at nearly every call, and its cache only grows
-# the worker (docs/reliability.md, "Memory"), unless its shapes are bounded, as
+# the worker (docs/memory.md), unless its shapes are bounded, as
 # they are wherever the cache is on (service.models.shapes).
 FIXED_SHAPE_ONEDNN_CACHE = ONEDNN_DEFAULT_CACHE
 # bfloat16's matrix products are oneDNN primitives, rebuilt at every call with

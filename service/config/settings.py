@@ -274,7 +274,7 @@ class Settings:
     max_requests: int = 0
     # oneDNN primitives each worker keeps (ONEDNN_PRIMITIVE_CACHE_CAPACITY): one
     # per op and input shape, so mixed-length batches fill oneDNN's default 1024
-    # and the worker's memory with it (docs/reliability.md, "Memory"). None: 0,
+    # and the worker's memory with it (docs/memory.md). None: 0,
     # or 1024 for a model of fixed input shapes (service.config.model_spec).
     onednn_cache: int | None = None
     devices: str = "auto"

@@ -11,7 +11,7 @@ requests. Counted as resends, those new requests went missing from the
 demand: at twice the capacity of the development machine a worker read its
 demand as flat within 10 to 15 s, took it for a closed loop, admitted up to
 the deadline, and its accepted requests waited 2.5 to 4 s against the 2 s
-budget (docs/reliability.md).
+budget (docs/overload.md).
 
 So a refused request that is held leaves a digest of its body on its
 connection (set here when the route read the body, or by service.http.linger

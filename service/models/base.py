@@ -5,8 +5,8 @@ client item (raising ``ValueError`` with a message for the client) so that a
 bad item is refused with 422 before it can reach a batch; ``predict`` maps a
 list of prepared items to a sequence of outputs of the same length. ``task``
 says which routes fit the model (see TASKS); the HTTP tier reads it through
-``task_of`` and never imports a model kind. docs/models.md shows the interface
-with worked examples.
+``task_of`` and never imports a model kind. docs/model-interface.md shows the
+interface with worked examples.
 """
 
 from __future__ import annotations

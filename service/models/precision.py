@@ -14,7 +14,7 @@ pure); below it, or on a non-finite output, the model stays in float32 and the
 log says why. For int8 it also chooses which Linear layers to quantize: the
 choice moves MiniLM's embeddings from a median cosine of 0.94 to 0.99, so the
 layers whose quantization alone moves the outputs most stay in float32, as few
-as the floor allows (docs/models.md, "Precision").
+as the floor allows (docs/precision.md).
 
 ``auto`` picks bfloat16 on a CPU with AMX (service.config.precision_spec.auto_choice)
 and holds it to a stricter floor than an explicit request (AUTO_FLOOR): a

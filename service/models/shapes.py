@@ -12,10 +12,10 @@ next of a few steps: multiples of 16 tokens (an AMX tile's rows) up to 64,
 then two a doubling (96, 128, 192, 256, ...), never past the model's longest
 input. MiniLM at 64 rows, 256 tokens and the 8,192-token budget then has 54
 shapes: about 160 primitives, which oneDNN's default cache of 1024 holds
-(docs/reliability.md, "Memory"). Why so few past 64 tokens: a worker's memory
-grows by a primitive's kernels the first time traffic reaches its shape, and
-the rare shapes (many rows of long text) are reached last, minutes into a
-run; fewer of them are all reached sooner. Pure: no torch.
+(docs/memory.md). Why so few past 64 tokens: a worker's memory grows the
+first time traffic reaches a shape (its kernels, and the heap its activations
+leave behind), and the rare shapes (many rows of long text) are reached last,
+minutes into a run; fewer of them are all reached sooner. Pure: no torch.
 
 The batcher's cost model reads the same shapes (service.batching.subbatch), so
 its cuts fall on the steps rather than one row past them.

@@ -4,7 +4,8 @@ A factory is any callable returning an object with ``predict(batch)``; it may
 also offer ``prepare(item)`` (else items pass as parsed JSON), ``item_size(item)``
 (then its batches are cut into length-aware sub-batches, as the built-in text
 models' are), ``name``, ``task``, ``item_kind``, ``item_shape`` and
-``output_shape``: the interface of service.models.base, shown in docs/models.md.
+``output_shape``: the interface of service.models.base, shown in
+docs/model-interface.md.
 A file is loaded with ``torch.jit.load``, or ``torch.export.load`` for ``.pt2``;
 its items are tensors given as nested lists.
 """

@@ -105,7 +105,7 @@ class Plan:
             # oneDNN caches a compiled primitive per op and input shape: with
             # mixed-length batches nearly every call is a new shape, and at its
             # default capacity (1024) the cache, and the heap it fragments,
-            # grow a worker by hundreds of MiB (docs/reliability.md, "Memory").
+            # grow a worker by hundreds of MiB (docs/memory.md).
             "ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(self.onednn_cache),
             **LIBRARY_ENV,
         }
