@@ -373,7 +373,7 @@ def to_row(route: str, r: LoadResult, items: int, before: Any, after: Any) -> Ro
 def targets(
     rows: list[Row], offline: dict[str, Any] | None, corpus: bool = False
 ) -> list[tuple[str, str, bool]]:
-    """The goals docs/benchmarks.md sets: one fixed sentence, or real text (``corpus``)."""
+    """The goals docs/bench-text.md sets: one fixed sentence, or real text (``corpus``)."""
     by = {(r.route, r.clients): r for r in rows}
     out = []
     if corpus:

@@ -21,7 +21,7 @@ host, in its own Python 3.12, whose torch, transformers and sentence-transformer
 5. scripts/bench/gpu_check.py within the time left: the plan, token memory, workers and
    one overrun, and the exactness figures on MiniLM; the speed ratios on BERT-large's shape
    with 256-token inputs, since MiniLM on a GPU is limited by the CPU that feeds it
-   (docs/benchmarks.md). A step that would not end in time is reported as not verified.
+   (docs/bench-request-path.md). A step that would not end in time is reported as not verified.
 
 It writes ONE report, ``--out``, rewritten as it goes: what ran on which weights, the host's
 packages, each setup step's time, the check's own report and the end of its log. Exits with

@@ -95,7 +95,7 @@ STARTUP_PERIOD_S = 5
 # records it as namespace_pod:<this>:avg1m).
 HPA_METRIC = "serve_http_requests_in_flight_per_worker"
 # Requests in flight per worker the HPA aims at. On the 2-core development
-# machine (docs/benchmarks.md, all-MiniLM-L6-v2) the batched route reaches 90%
+# machine (docs/bench-text.md, all-MiniLM-L6-v2) the batched route reaches 90%
 # of its peak throughput at 8 requests per worker (16 clients on 2 workers,
 # p99 83 ms); past that, more requests only wait longer (16 per worker: 97% of
 # the peak at twice the latency). So 8 per worker is where a pod is busy but

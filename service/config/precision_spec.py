@@ -22,7 +22,7 @@ TEXT_TASKS = ("embeddings", "rerank", "classification", "fill-mask")
 # A CPU's native bfloat16: without one of these, torch emulates it, tens of times slower.
 BFLOAT16_FLAGS = ("avx512_bf16", "amx_bf16")
 # Intel's AMX tiles: bfloat16 matrix products at several times float32's rate
-# (MiniLM: 3.2x offline, 2.1x to 2.65x through the service; docs/benchmarks.md).
+# (MiniLM: 3.2x offline, 2.1x to 2.65x through the service; docs/bench-precision.md).
 AMX_FLAG = "amx_bf16"
 # oneDNN's own default primitive cache, what ONEDNN_PRIMITIVE_CACHE_CAPACITY reads when unset.
 ONEDNN_DEFAULT_CACHE = 1024

@@ -107,7 +107,7 @@ class Encoder:
     its input, sets truncation and padding on the core at every call, encodes a
     batch of one and builds a BatchEncoding. In the request thread that layer
     cost more than the encoding itself, and beside a busy model the whole took
-    about 0.2 ms a text (docs/benchmarks.md). The core is copied, so that the
+    about 0.2 ms a text (docs/bench-request-path.md). The core is copied, so that the
     settings the tokenizer writes into its own at each call never reach this
     one, and set up as ``tokenizer(text, pair, truncation=..., max_length=...)``
     sets it: truncation longest first on the tokenizer's side, no padding,

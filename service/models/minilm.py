@@ -64,7 +64,7 @@ class MiniLMModel(BoundedShapes):
         each of its few hundred ops drops and retakes it, and while request
         threads parse and answer, every retake can wait up to the interpreter's
         5 ms switch interval: a batch took 2-20x longer under load (see
-        docs/benchmarks.md). The example is padded so that the attention mask's
+        docs/bench-text.md). The example is padded so that the attention mask's
         path is the one traced; the tests compare against sentence-transformers
         on batches of mixed lengths.
         """

@@ -23,7 +23,7 @@ avx512_bf16 and no AMX it must also measure faster than float32 on the samples.
 
 int8 is torch's own dynamic quantization (``quantize_dynamic``, one scale per
 output channel, fbgemm's x86 kernels). torchao's int8 runs about five times
-slower than float32 on a CPU unless the model is compiled (docs/benchmarks.md).
+slower than float32 on a CPU unless the model is compiled (docs/bench-precision.md).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class Floor:
 # What ``auto`` holds a reduced network to, above an explicit request's floor:
 # a precision nobody asked for must not be seen in the answers. bfloat16 on
 # MiniLM measures a min cosine of 0.99994 on the samples and 0.9999 on the
-# corpus (docs/benchmarks.md); a top label, token or clear top document must
+# corpus (docs/bench-precision.md); a top label, token or clear top document must
 # not move.
 AUTO_FLOOR = Floor(
     min_cosine=0.999,

@@ -9,7 +9,7 @@ Access lines, one per request, are written by a writer thread
 ``StreamHandler`` would make every request thread take the one handler lock
 and write under it, and with dozens of request threads that lock became a
 convoy: measured as over a quarter of a worker's Python time on a model that
-costs nothing (scripts/bench/overhead.py; docs/benchmarks.md, "The request path").
+costs nothing (scripts/bench/overhead.py; docs/bench-request-path.md).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class LineWriter(logging.Handler):
     # After a write the thread lets lines gather this long before the next: woken
     # for every line, it would cost each request a thread switch. At a model's
     # pace (a hundred requests a second a worker) 10 ms still meant one wake a
-    # line; 50 ms takes about one switch off each request (docs/benchmarks.md),
+    # line; 50 ms takes about one switch off each request (docs/bench-request-path.md),
     # and a line is still out within a twentieth of a second.
     GATHER_S = 0.05
     # Lines waiting at most. Past this the stream is blocked (a stalled reader of
