@@ -31,8 +31,9 @@ from typing import Any
 from flask import Flask
 
 from service.batching import native
-from service.batching.batcher import Batcher, BatchObserver
+from service.batching.batcher import Batcher
 from service.batching.model_time import ModelTime
+from service.batching.observer import BatchObserver
 from service.config.budget import Budget, body_budget_bytes
 from service.config.settings import Settings
 from service.errors import BadRequest, NotReady, ServeError

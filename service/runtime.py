@@ -32,9 +32,11 @@ from typing import Any
 
 from service.batching import native
 from service.batching.admission import AdmissionRule
-from service.batching.batcher import Batcher, BatchObserver, GatherPolicy, notify
+from service.batching.batcher import Batcher
 from service.batching.calibration import calibrate
+from service.batching.gather import GatherPolicy
 from service.batching.model_time import ModelTime
+from service.batching.observer import BatchObserver, notify
 from service.batching.subbatch import CostModel
 from service.batching.watchdog import Watchdog
 from service.config.budget import Budget, body_budget_bytes

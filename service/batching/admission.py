@@ -14,7 +14,8 @@ size). :class:`ServiceMeter` keeps that rate and counts the items accepted and
 not yet answered; :class:`Pace` tells a service that keeps up from one whose
 arrivals outrun its answers, which decides what a request may wait
 (:class:`AdmissionRule`). The caller passes the time, so the tests need neither
-a clock nor threads.
+a clock nor threads. Each batcher's gate (service.batching.gate) holds the
+state these are applied to, under the batcher's lock, and applies them.
 """
 
 from __future__ import annotations

@@ -7,17 +7,21 @@
 #   callbacks run once, in the thread that completes it). It exists because
 #   Future costs too much on this path: its Condition builds an RLock and a
 #   waiter lock per wait and runs notify() in Python, which measured as a fifth
-#   of a worker's Python time on a model that costs nothing (docs/benchmarks.md,
-#   "The request path"). Here waiting is one native lock, held from creation
-#   and released once when the answer is in; state changes take one more
+#   of a worker's Python time on a model that costs nothing
+#   (docs/bench-request-path.md). Here waiting is one native lock, held from
+#   creation and released once when the answer is in; state changes take one more
 #   native lock for a few attribute writes, never across a callback.
 # - Both locks are native (service.batching.native), so the batch thread may
 #   complete a reply that a greenlet waits for under gevent; greenlets never
 #   block on them (service.batching.waiting wakes them through the hub).
+# - claim, fail and deliver complete a reply once, by whichever side reaches it
+#   first (batch thread, watchdog, gate), so a stalled batch thread that wakes
+#   up after the watchdog failed its requests cannot answer them twice.
 """A batched request's answer, handed from the batch thread to the request's thread."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import CancelledError, InvalidStateError
@@ -129,3 +133,39 @@ def _call(callback: Callable[[Reply], object], reply: Reply) -> None:
         callback(reply)
     except Exception:
         log.exception("a reply's done-callback %r raised; ignored", callback)
+
+
+def claim(reply: Reply) -> bool:
+    """Mark a queued request's reply as running; False if it needs no answer.
+
+    That is when its caller cancelled it, or when the watchdog already failed
+    it (a stalled thread waking up after Batcher.abandon()).
+    """
+    try:
+        return reply.set_running_or_notify_cancel()
+    except RuntimeError:  # already finished
+        return False
+
+
+def fail(reply: Reply, error: BaseException) -> bool:
+    """Fail a reply unless another thread already completed it; True if this call did."""
+    try:
+        reply.set_exception(error)
+    except InvalidStateError:
+        return False
+    return True
+
+
+def deliver(reply: Reply, result: Outputs) -> None:
+    with contextlib.suppress(InvalidStateError):  # the watchdog already failed it
+        reply.set_result(result)
+
+
+def error_of(reply: Reply) -> BaseException | None:
+    """The exception a finished reply holds; None if it was answered or cancelled."""
+    if reply.cancelled():
+        return None
+    try:
+        return reply.exception(timeout=0)
+    except Exception:  # not finished: cannot happen in a done-callback
+        return None

@@ -270,7 +270,7 @@ def room_test(
     batcher = getattr(runtime, "batcher", None)
     if runtime is None or batcher is None:
         return None
-    load = batcher.load()
+    load = batcher.gate.load()
     rule = runtime.admission
     deadline_s = runtime.settings.request_timeout_ms / 1000
     # A held request's items are not read yet: each counts as the recent mean.

@@ -101,13 +101,13 @@ class Door:
         # (the batcher checks the exact count).
         items = 1
         if batcher is not None:
-            items = min(batcher.estimate_items(length), settings.max_items_per_request)
+            items = min(batcher.gate.estimate_items(length), settings.max_items_per_request)
         deadline_s = _deadline_s(environ, settings.request_timeout_ms)
-        if batcher is not None and batcher.too_large(items, deadline_s) is not None:
+        if batcher is not None and batcher.gate.too_large(items, deadline_s) is not None:
             # Too large even alone, by its length: the batcher refuses it once
             # its items are known (413, not 503).
             return self._app(environ, start_response)
-        predicted, behind = batcher.door_outlook(items) if batcher is not None else (0.0, False)
+        predicted, behind = batcher.gate.door_outlook(items) if batcher is not None else (0.0, False)
         returning = environ.get(RETURNING_ENVIRON_KEY)
         # A returning request waited out a hold the worker chose, not a queue: it
         # neither shows nor is refused by a standing queue (else a service whose
@@ -127,9 +127,9 @@ class Door:
         if refusal is None:
             return self._app(environ, start_response)
         if batcher is not None:
-            # Demand unmet, for the pace (Batcher.submit says which counts).
+            # Demand unmet, for the pace (Gate.admit says which counts).
             follow_up = environ.get(FOLLOW_UP_ENVIRON_KEY, True)
-            batcher.refused(items, waited if follow_up else None, environ.get(WAITING_ENVIRON_KEY))
+            batcher.gate.refused(items, waited if follow_up else None, environ.get(WAITING_ENVIRON_KEY))
         # A lone model's refusals are its own; with several, the body naming one is still unread.
         model = (self._runtime.served_name if self._single else None) or NO_MODEL
         environ[MODEL_ENVIRON_KEY] = model

@@ -54,7 +54,7 @@ from prometheus_client import (
 )
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from service.batching.batcher import BatchObserver
+from service.batching.observer import BatchObserver
 from service.config.settings import Settings
 from service.errors import DeadlineExceeded, Overloaded, ServeError, SettingsError
 from service.telemetry.model_metrics import NO_MODEL, ModelMetrics
@@ -206,7 +206,7 @@ class Metrics(BatchObserver):
             "serve_model_info",
             "1 per live worker and model it serves, labelled with its served name (model), its own name, "
             "its task, its precision and why it runs in it (precision_reason: asked, or what auto "
-            "found, docs/models.md).",
+            "found, docs/precision.md).",
             "slot",
             "model",
             "name",

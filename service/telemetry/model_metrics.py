@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from service.batching import native
-from service.batching.batcher import BatchObserver
+from service.batching.observer import BatchObserver
 
 if TYPE_CHECKING:
     from service.telemetry.metrics import Metrics

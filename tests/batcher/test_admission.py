@@ -1,4 +1,5 @@
-"""The batcher's latency-budget checks, at submit() and before each model call.
+"""The batcher's admission (service.batching.gate): the queue bound, and the latency budget at submit()
+and before each model call.
 
 Deterministic: they wait on events, never on sleeps, except two models that
 take real time on purpose, because the check before each call must see the
@@ -13,11 +14,14 @@ import time
 import numpy as np
 import pytest
 
+from service.batching import native
 from service.batching.admission import AdmissionRule, Pace, ServiceMeter
-from service.batching.batcher import Pending
+from service.batching.gate import Gate
+from service.batching.pending import Pending
 from service.batching.waiting import wait_result
 from service.errors import Overloaded, PayloadTooLarge
 from tests.batcher.test_batcher import FAR, GatedPredict, started
+from tests.batcher.test_lanes import queued_behind_a_running_call
 from tests.batcher.test_sized_batches import Recorder, cost, sized_batcher
 
 
@@ -49,27 +53,66 @@ def test_a_request_that_arrived_past_its_budget_is_refused_at_submit_while_behin
         batcher.stop(10)
 
 
+def test_the_gate_judges_and_counts_a_request_without_a_batch_thread() -> None:
+    lock = native.allocate_lock()
+    gate = Gate(lock, rule=AdmissionRule(budget_s=1.0), queue_limit=4, max_batch_size=8, express_items=1)
+    arrival = {
+        "returning": False,
+        "resend": False,
+        "first_on_connection": False,
+        "queue_wait": None,
+        "waiting": None,
+    }
+    held = Pending(["a", "b"], FAR)
+    with lock:  # as submit() calls it: judged and counted under the batcher's lock
+        gate.admit(held, 0, body_bytes=200, **arrival)
+    assert gate.load().outstanding == 2
+    assert gate.estimate_items(1000) == 10  # 100 bytes an item, as the one body seen
+    with lock, pytest.raises(Overloaded, match="queue is full") as refused:
+        gate.admit(Pending(["c"] * 3, FAR), 2, body_bytes=None, **arrival)
+    assert refused.value.reason == "queue_full"
+    assert gate.load().outstanding == 2  # the refused request was never counted
+    assert held.future.cancel()
+    gate.answered(held)  # what the done callback does
+    assert gate.load().outstanding == 0
+
+
+def test_a_full_queue_refuses_at_once(gated: GatedPredict) -> None:
+    batcher = started(gated, queue_limit=2)
+    try:
+        batcher.submit(["running"], FAR)
+        gated.wait_entered()
+        batcher.submit(["q1"], FAR)
+        batcher.submit(["q2"], FAR)
+        with pytest.raises(Overloaded, match="queue is full") as raised:
+            batcher.submit(["q3"], FAR)
+        assert raised.value.reason == "queue_full"
+    finally:
+        gated.gate.set()
+        batcher.stop(10)
+
+
 def test_the_prediction_counts_the_requests_held_and_forgets_the_answered(gated: GatedPredict) -> None:
     batcher = started(gated, max_batch_size=1)
-    batcher._meter = ServiceMeter(min_served=1)  # trust the rate from the first request on
+    batcher.gate._meter = ServiceMeter(min_served=1)  # trust the rate from the first request on
     try:
-        assert batcher.predicted_wait() == 0.0  # nothing served yet: no rate to predict from
+        assert batcher.gate.predicted_wait() == 0.0  # nothing served yet: no rate to predict from
         first = batcher.submit(["a"], FAR)
         gated.wait_entered()
         gated.gate.set()
         wait_result(first.future, 10)
-        alone = batcher.predicted_wait()  # one request's service time
+        alone = batcher.gate.predicted_wait()  # one request's service time
         assert alone > 0
         gated.gate.clear()
         held = [batcher.submit([str(i)], FAR) for i in range(4)]
         gated.wait_entered()
         # Four held: a newcomer waits for them and for itself.
-        assert batcher.predicted_wait() == pytest.approx(5 * alone, rel=1e-6)
+        assert batcher.gate.predicted_wait() == pytest.approx(5 * alone, rel=1e-6)
         gated.gate.set()
         for pending in held:
             wait_result(pending.future, 10)
         # Everything answered: only the newcomer's own time is left.
-        assert batcher.predicted_wait() == pytest.approx(batcher._meter.seconds_per_item)
+        assert batcher.gate.predicted_wait() == pytest.approx(batcher.gate._meter.seconds_per_item)
     finally:
         gated.gate.set()
         batcher.stop(10)
@@ -77,22 +120,40 @@ def test_the_prediction_counts_the_requests_held_and_forgets_the_answered(gated:
 
 def test_a_cancelled_request_leaves_the_count(gated: GatedPredict) -> None:
     batcher = started(gated, max_batch_size=1)
-    batcher._meter = ServiceMeter(min_served=1)  # trust the rate from the first request on
+    batcher.gate._meter = ServiceMeter(min_served=1)  # trust the rate from the first request on
     try:
         first = batcher.submit(["a"], FAR)
         gated.wait_entered()
         gated.gate.set()
         wait_result(first.future, 10)
-        alone = batcher.predicted_wait()
+        alone = batcher.gate.predicted_wait()
         gated.gate.clear()
         running = batcher.submit(["b"], FAR)
         gated.wait_entered()
         queued = batcher.submit(["c"], FAR)
-        assert batcher.predicted_wait() == pytest.approx(3 * alone, rel=1e-6)
+        assert batcher.gate.predicted_wait() == pytest.approx(3 * alone, rel=1e-6)
         assert queued.future.cancel()  # its caller gave up while it was queued
-        assert batcher.predicted_wait() == pytest.approx(2 * alone, rel=1e-6)
+        assert batcher.gate.predicted_wait() == pytest.approx(2 * alone, rel=1e-6)
         gated.gate.set()
         wait_result(running.future, 10)
+    finally:
+        gated.gate.set()
+        batcher.stop(10)
+
+
+def test_a_small_request_is_predicted_to_wait_for_the_small_work_ahead_and_a_batch() -> None:
+    gated = GatedPredict()
+    batcher = queued_behind_a_running_call(gated, max_batch_size=16, queue_limit=1000)
+    try:
+        # Nothing measured yet: no prediction at all.
+        assert batcher.gate.predicted_wait(1) == 0.0
+        batcher.gate._meter = ServiceMeter(min_served=0)
+        batcher.gate._meter.batch_ran(0.1, 10)  # 10 ms an item
+        for _ in range(10):
+            batcher.submit([f"b{n}" for n in range(16)], FAR)
+        # 161 items held: a bulk request waits for them all, a query for a batch of them.
+        assert batcher.gate.predicted_wait(16) > 1.7
+        assert batcher.gate.predicted_wait(1) < 0.2
     finally:
         gated.gate.set()
         batcher.stop(10)
@@ -123,9 +184,9 @@ def test_the_requests_their_batch_would_answer_past_the_budget_are_refused_lates
         assert gated.batches == [["a"], ["c"] * 3 + ["d"] * 3]  # the refused request never reached the model
         # It left the meter's count too (the count drops in the reply's callbacks, just after the wake).
         deadline = time.monotonic() + 10
-        while batcher.load().outstanding != 0 and time.monotonic() < deadline:
+        while batcher.gate.load().outstanding != 0 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert batcher.load().outstanding == 0
+        assert batcher.gate.load().outstanding == 0
     finally:
         gated.gate.set()
         batcher.stop(10)
@@ -271,17 +332,17 @@ class PerItem:
 def test_a_request_too_large_for_its_deadline_alone_is_refused_413_and_is_no_demand() -> None:
     predict = PerItem(0.01)
     batcher = started(predict, admission=AdmissionRule(budget_s=1.0))
-    batcher._meter = ServiceMeter(min_served=1)  # trust the rate from the first request on
+    batcher.gate._meter = ServiceMeter(min_served=1)  # trust the rate from the first request on
     try:
         assert wait_result(batcher.submit(list(range(10)), FAR).future, 10) == list(range(10))
-        backlog = batcher._pace._backlog
+        backlog = batcher.gate._pace._backlog
         now = time.monotonic()
         # 100 items at 0.01 s an item, with the deadline margin, pass a 1 s deadline: no retry could succeed.
         with pytest.raises(PayloadTooLarge, match=r"its 100 items would take about \d+\.\d s") as refused:
             batcher.submit(list(range(100)), now + 1.0, arrived=now)
         assert refused.value.status == 413
         assert batcher.depth == 0
-        assert batcher._pace._backlog == backlog  # not counted as demand unmet
+        assert batcher.gate._pace._backlog == backlog  # not counted as demand unmet
         # A fifth as many fit, and are answered (with room for a busy machine's slower sleeps).
         now = time.monotonic()
         fifth = batcher.submit(list(range(20)), now + 1.0, arrived=now)
@@ -310,11 +371,11 @@ def test_a_new_request_let_in_from_a_hold_is_demand_and_a_resend_is_not(gated: G
     # from a hold (returning) is new unless it is the refused one sent again.
     batcher = started(gated, max_batch_size=1)
     try:
-        backlog = batcher._pace._backlog
+        backlog = batcher.gate._pace._backlog
         new = batcher.submit(["a", "b"], FAR, returning=True, resend=False)
-        assert batcher._pace._backlog == backlog + 2
+        assert batcher.gate._pace._backlog == backlog + 2
         again = batcher.submit(["c"], FAR, returning=True, resend=True)
-        assert batcher._pace._backlog == backlog + 2
+        assert batcher.gate._pace._backlog == backlog + 2
         gated.gate.set()
         wait_result(new.future, 10)
         wait_result(again.future, 10)

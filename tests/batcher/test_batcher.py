@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.batching.batcher import Batcher, GatherPolicy
+from service.batching.batcher import Batcher
+from service.batching.gather import GatherPolicy
 from service.batching.waiting import wait_result
 from service.errors import DeadlineExceeded, ModelError, NotReady, Overloaded
 
@@ -204,19 +205,6 @@ def test_a_caller_that_times_out_leaves_nothing_behind(gated: GatedPredict, clea
     assert running.future.result(timeout=0) == ["out:first"]
     assert batcher.depth == 0
     assert gated.batches == [["first"]]
-
-
-def test_a_full_queue_refuses_at_once(gated: GatedPredict, cleanup: list[Batcher]) -> None:
-    batcher = started(gated, queue_limit=2)
-    cleanup.append(batcher)
-    batcher.submit(["running"], FAR)
-    gated.wait_entered()
-    batcher.submit(["q1"], FAR)
-    batcher.submit(["q2"], FAR)
-    with pytest.raises(Overloaded, match="queue is full") as raised:
-        batcher.submit(["q3"], FAR)
-    assert raised.value.reason == "queue_full"
-    gated.gate.set()
 
 
 def test_stop_answers_everything_accepted_then_refuses(gated: GatedPredict) -> None:

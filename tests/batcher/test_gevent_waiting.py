@@ -21,7 +21,8 @@ import json
 import gevent
 import gevent.event
 from service.batching import native
-from service.batching.batcher import Batcher, GatherPolicy
+from service.batching.batcher import Batcher
+from service.batching.gather import GatherPolicy
 from service.errors import DeadlineExceeded
 from service.batching.waiting import wait_result
 
@@ -100,7 +101,8 @@ monkey.patch_all()
 import json
 import gevent
 from service.batching import native, waiting
-from service.batching.batcher import Batcher, GatherPolicy
+from service.batching.batcher import Batcher
+from service.batching.gather import GatherPolicy
 from service.batching.waiting import wait_result
 
 waiting.HUB_TURN_WAIT_S = 5.0  # the mechanism, not the cap: a slow machine must not cut the turn short

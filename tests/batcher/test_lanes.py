@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.batching.admission import ServiceMeter
 from service.batching.batcher import Batcher
 from service.batching.waiting import wait_result
 from service.errors import ServeError
@@ -94,24 +93,6 @@ def test_small_requests_take_at_most_half_a_batch_while_bulk_work_waits() -> Non
         assert gated.batches[1] == [f"q{n}" for n in range(8)] + [f"a{n}" for n in range(8)]
         assert gated.batches[2] == [f"q{n}" for n in range(8, 12)] + [f"a{n}" for n in range(8, 16)]
         assert wait_result(bulk.future, 1) == [f"out:a{n}" for n in range(16)]
-    finally:
-        gated.gate.set()
-        batcher.stop(10)
-
-
-def test_a_small_request_is_predicted_to_wait_for_the_small_work_ahead_and_a_batch() -> None:
-    gated = GatedPredict()
-    batcher = queued_behind_a_running_call(gated, max_batch_size=16, queue_limit=1000)
-    try:
-        # Nothing measured yet: no prediction at all.
-        assert batcher.predicted_wait(1) == 0.0
-        batcher._meter = ServiceMeter(min_served=0)
-        batcher._meter.batch_ran(0.1, 10)  # 10 ms an item
-        for _ in range(10):
-            batcher.submit([f"b{n}" for n in range(16)], FAR)
-        # 161 items held: a bulk request waits for them all, a query for a batch of them.
-        assert batcher.predicted_wait(16) > 1.7
-        assert batcher.predicted_wait(1) < 0.2
     finally:
         gated.gate.set()
         batcher.stop(10)

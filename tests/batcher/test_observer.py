@@ -7,7 +7,9 @@ from typing import Any
 
 import pytest
 
-from service.batching.batcher import Batcher, BatchObserver, GatherPolicy
+from service.batching.batcher import Batcher
+from service.batching.gather import GatherPolicy
+from service.batching.observer import BatchObserver
 from service.batching.waiting import wait_result
 from tests.batcher.test_batcher import FAR, GatedPredict
 

@@ -8,7 +8,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.batching.batcher import Batcher, BatchObserver, GatherPolicy, Pending
+from service.batching.batcher import Batcher
+from service.batching.gather import GatherPolicy
+from service.batching.observer import BatchObserver
+from service.batching.pending import Pending
 from service.batching.subbatch import CostModel
 from service.batching.waiting import wait_result
 from service.errors import ModelError

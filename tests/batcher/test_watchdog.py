@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 
-from service.batching.batcher import Batcher, GatherPolicy, Pending
+from service.batching.batcher import Batcher
+from service.batching.gather import GatherPolicy
+from service.batching.pending import Pending
 from service.batching.waiting import wait_result
 from service.batching.watchdog import Watchdog, check_interval, diagnose
 from service.errors import DeadlineExceeded, ModelError, NotReady

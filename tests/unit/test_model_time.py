@@ -177,19 +177,19 @@ def test_a_prediction_counts_the_other_models_queued_work() -> None:
     rerank = Batcher(lambda batch: [0] * len(batch), max_batch_size=8, queue_limit=1000, model_time=shared)
     for batcher in (embed, rerank):
         # As if measured: 10 ms an item, known at once.
-        batcher._meter = ServiceMeter(min_served=0)
-        batcher._meter.batch_ran(0.08, 8)
-    alone = rerank.predicted_wait(4)
+        batcher.gate._meter = ServiceMeter(min_served=0)
+        batcher.gate._meter.batch_ran(0.08, 8)
+    alone = rerank.gate.predicted_wait(4)
     assert alone == pytest.approx(4 * 0.01)
-    embed._meter.outstanding = 500  # 5 s of the other model's work queued
-    assert embed.backlog_s() == pytest.approx(500 * 0.01)
+    embed.gate._meter.outstanding = 500  # 5 s of the other model's work queued
+    assert embed.gate.backlog_s() == pytest.approx(500 * 0.01)
     # In turns, call by call: as much of the other's work runs as of this one's.
-    assert rerank.predicted_wait(4) == pytest.approx(2 * alone)
+    assert rerank.gate.predicted_wait(4) == pytest.approx(2 * alone)
     # And a lone model's prediction is its own work alone.
     lone = Batcher(lambda batch: [0] * len(batch), max_batch_size=8, queue_limit=1000)
-    lone._meter = ServiceMeter(min_served=0)
-    lone._meter.batch_ran(0.08, 8)
-    assert lone.predicted_wait(4) == pytest.approx(alone)
+    lone.gate._meter = ServiceMeter(min_served=0)
+    lone.gate._meter.batch_ran(0.08, 8)
+    assert lone.gate.predicted_wait(4) == pytest.approx(alone)
     gate.set()
 
 

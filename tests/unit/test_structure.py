@@ -70,7 +70,8 @@ def imports_of(name: str) -> set[str]:
                     if base == "service" and alias.name == "__version__":
                         continue
                     # ``from package import module`` imports the module; ``import name`` its package.
-                    target = _target(f"{base}.{alias.name}") if f"{base}.{alias.name}" in MODULES else _target(base)
+                    full = f"{base}.{alias.name}"
+                    target = _target(full) if full in MODULES else _target(base)
                     if target is not None:
                         found.add(target)
             visit(child)
@@ -87,10 +88,10 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     stack: list[str] = []
     on_stack: set[str] = set()
     found: list[list[str]] = []
-    for root in graph:
+    for root, edges_of_root in graph.items():
         if root in index:
             continue
-        work = [(root, iter(sorted(graph[root])))]
+        work = [(root, iter(sorted(edges_of_root)))]
         index[root] = low[root] = len(index)
         stack.append(root)
         on_stack.add(root)
@@ -143,7 +144,9 @@ def test_service_keeps_few_loose_modules_and_each_role_folder_says_what_runs_the
         init = folder / "__init__.py"
         assert init.is_file(), f"service/{folder.name} is a role without an __init__.py"
         docstring = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8")))
-        assert docstring and len(docstring.split()) >= 8, f"service/{folder.name}/__init__.py: say what runs there"
+        assert docstring and len(docstring.split()) >= 8, (
+            f"service/{folder.name}/__init__.py: say what runs there"
+        )
 
 
 @pytest.mark.parametrize("page", sorted((ROOT / "docs").glob("*.md")), ids=lambda p: p.name)
