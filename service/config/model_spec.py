@@ -17,6 +17,7 @@ from typing import Any
 
 from service.config.image_spec import PREPROCESS_FILE, PROGRAM_FILES, program_file, read_image_spec
 from service.config.precision_spec import AUTO, BFLOAT16, ONEDNN_DEFAULT_CACHE, auto_choice
+from service.config.prompt_spec import read_prompts
 from service.errors import SettingsError
 
 BUILTIN = ("minilm", "mlp")
@@ -68,7 +69,8 @@ def check_spec(spec: str) -> str:
             where = "" if path.is_absolute() else f" under {Path.cwd()}"
             raise SettingsError(f"SERVE_MODEL={spec!r}: no such file{where}")
     elif found == "directory":
-        directory_task(Path(spec))
+        if directory_task(Path(spec)) == "embeddings":
+            read_prompts(Path(spec))  # a malformed prompt config stops the service here, not in each worker
     elif found == "factory":
         module, _, attr = spec.partition(":")
         if not all(part.isidentifier() for part in module.split(".")) or not attr.isidentifier():

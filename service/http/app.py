@@ -7,7 +7,7 @@ from werkzeug.exceptions import HTTPException
 
 from service.config.settings import Settings
 from service.errors import ServeError
-from service.http import access, openai_api, rerank, routes, v2
+from service.http import access, openai_api, rerank, routes, tei, v2
 from service.http.direct import Direct
 from service.http.door import Door
 from service.http.inference import json_response
@@ -18,7 +18,7 @@ from service.model_set import ModelSet
 from service.telemetry.metrics import Metrics
 
 # The routes service.http.direct answers: the protocols' busiest inference routes.
-DIRECT = {**routes.DIRECT, **openai_api.DIRECT, **v2.DIRECT, **rerank.DIRECT}
+DIRECT = {**routes.DIRECT, **openai_api.DIRECT, **v2.DIRECT, **rerank.DIRECT, **tei.DIRECT}
 
 
 def create_app(settings: Settings | None = None) -> Flask:
@@ -41,6 +41,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     # The standard protocols, each a thin translation to the same batched path.
     app.register_blueprint(v2.bp)
     app.register_blueprint(rerank.bp)
+    app.register_blueprint(tei.bp)
     openai_api.init_app(app)
     _register_error_handlers(app, settings, metrics)
     # Every model SERVE_MODEL lists, each with its batcher and its metrics' model label.

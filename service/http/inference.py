@@ -83,6 +83,7 @@ def is_inference_path(path: str) -> bool:
     return (
         path.startswith(("/predict", "/rerank/"))
         or path in ("/v1/embeddings", "/v1/rerank", "/v2/rerank")
+        or path in ("/", "/embed", "/rerank", "/tokenize")  # TEI's (service.http.tei.PATHS)
         or (path.startswith("/v2/models/") and path.endswith("/infer"))
     )
 

@@ -20,13 +20,15 @@ from typing import Any, TypeVar
 import numpy as np
 from flask import Blueprint, Flask, Response, current_app, request
 
-from service.errors import ModelError, ServeError
+from service.errors import BadRequest, ServeError
 from service.http import v2_codec
 from service.http.inference import Answer, Choose, Handler, json_answer, json_response, runtime, serve_batched
 from service.http.payload import load_json, prepare_items, require_json
+from service.http.vectors import as_vectors, check_dimensions, embedding_size, shorten
 from service.model_set import ModelSet, UnknownModel
 from service.models import Model
 from service.models.base import EMBEDDINGS, GENERIC, RERANK, item_sizer, json_type, task_of
+from service.models.prompts import prompts_of, with_prompt
 from service.runtime import ModelRuntime
 
 bp = Blueprint("openai", __name__, url_prefix="/v1")
@@ -34,6 +36,10 @@ bp = Blueprint("openai", __name__, url_prefix="/v1")
 OWNER = "torch-serve-batched"
 ENCODINGS = ("float", "base64")
 _CREATED = "openai_created"
+_TOKENS_HINT = (
+    "; token arrays are not supported, send the text (LangChain's OpenAIEmbeddings sends token ids "
+    "unless made with check_embedding_ctx_length=False)"
+)
 # Statuses the SDK has no exception class for, and what OpenAI answers instead.
 _STATUS = {413: 400, 415: 400, 422: 400}
 
@@ -95,11 +101,12 @@ def answer_embeddings(rt: ModelSet, environ: dict[str, Any], args: Mapping[str, 
         model = _chosen(choose, name)
         _check_embedding_model(model)
         asked.update(_check_request(document, model))
-        asked["items"] = prepare_items(asked["texts"], model, rt.settings.max_items_per_request, "input")
+        texts = _with_prompt(model, asked["texts"], document.get("prompt_name"))
+        asked["items"] = prepare_items(texts, model, rt.settings.max_items_per_request, "input")
         return asked["items"]  # type: ignore[no-any-return]
 
     done = serve_batched(rt, environ, parse)
-    vectors = _vectors(done.model, done.outputs)
+    vectors = _shortened(as_vectors(done.model, done.outputs), asked["dimensions"])
     data = [
         {"object": "embedding", "index": i, "embedding": _encode(vector, asked["encoding_format"])}
         for i, vector in enumerate(vectors)
@@ -123,14 +130,19 @@ def embeddings() -> Response:
     return answer_embeddings(runtime(), request.environ, {}).response()
 
 
+def _with_prompt(model: Model, texts: list[str], prompt_name: Any) -> list[Any]:
+    """The texts with the prompt ``prompt_name`` names (the openai SDK sends it in ``extra_body``)."""
+    try:
+        return with_prompt(model, texts, prompt_name)
+    except BadRequest as exc:
+        raise OpenAIError(400, exc.message, param="prompt_name") from None
+
+
 def _check_request(document: dict[str, Any], model: Model) -> dict[str, Any]:
-    if document.get("dimensions") is not None:
-        raise OpenAIError(
-            400,
-            f'"dimensions" is not supported: model {model.name!r} returns embeddings of a fixed size; '
-            "leave it out",
-            param="dimensions",
-        )
+    try:
+        dimensions = check_dimensions(document.get("dimensions"), embedding_size(model), model.name)
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc), param="dimensions") from None
     encoding = document.get("encoding_format", "float")
     if encoding is None:
         encoding = "float"
@@ -140,7 +152,17 @@ def _check_request(document: dict[str, Any], model: Model) -> dict[str, Any]:
             f'"encoding_format" must be "float" or "base64", got {encoding!r:.40}',
             param="encoding_format",
         )
-    return {"texts": _texts(document.get("input")), "encoding_format": encoding}
+    return {"texts": _texts(document.get("input")), "encoding_format": encoding, "dimensions": dimensions}
+
+
+def _shortened(vectors: np.ndarray, dimensions: int | None) -> np.ndarray:
+    """The vectors cut to ``dimensions`` and scaled back to unit length, as text-embedding-3's are."""
+    if dimensions is None:
+        return vectors
+    try:
+        return shorten(vectors, dimensions, normalize=True)
+    except ValueError as exc:  # a model that declares no size, found out by its vectors
+        raise OpenAIError(400, str(exc), param="dimensions") from None
 
 
 def _texts(given: Any) -> list[str]:
@@ -153,7 +175,8 @@ def _texts(given: Any) -> list[str]:
         raise OpenAIError(400, '"input" is empty; send at least one text', param="input")
     for index, text in enumerate(texts):
         if not isinstance(text, str):
-            hint = "; token arrays are not supported, send the text" if isinstance(text, (int, list)) else ""
+            # LangChain's OpenAIEmbeddings sends tiktoken's token ids for OpenAI's models unless told not to.
+            hint = _TOKENS_HINT if isinstance(text, (int, list)) else ""
             raise OpenAIError(
                 400, f"input[{index}]: expected a string, got {json_type(text)}{hint}", param="input"
             )
@@ -197,7 +220,7 @@ def _check_embedding_model(model: Model) -> None:
 
 def _describe(rt: ModelRuntime) -> dict[str, Any]:
     model = rt.model
-    return {
+    described = {
         "id": rt.label,
         "object": "model",
         "created": current_app.extensions[_CREATED],
@@ -206,16 +229,10 @@ def _describe(rt: ModelRuntime) -> dict[str, Any]:
         "task": task_of(model) if model is not None else None,
         "aliases": list(rt.names[1:]),
     }
-
-
-def _vectors(model: Model, outputs: Any) -> np.ndarray:
-    try:
-        array = np.asarray(outputs, dtype="<f4")
-    except (TypeError, ValueError) as exc:
-        raise ModelError(f"model {model.name!r} returned outputs that are not vectors of numbers") from exc
-    if array.ndim != 2:
-        raise ModelError(f"model {model.name!r} returned outputs of shape {list(array.shape)}, not vectors")
-    return array
+    prompts = prompts_of(model) if model is not None else None
+    if prompts is not None:  # a sentence-transformers directory's, which "prompt_name" chooses
+        described.update(prompts.describe())
+    return described
 
 
 def _encode(vector: np.ndarray, encoding: str) -> Any:

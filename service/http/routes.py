@@ -14,6 +14,7 @@ from urllib.parse import parse_qs
 from flask import Blueprint, Flask, Response, request
 
 from service.errors import Unauthorized
+from service.http import tei
 from service.http.inference import (
     BATCH_SIZE_HEADER,
     TIMEOUT_HEADER,
@@ -164,6 +165,8 @@ def info() -> Response:
                 # null when SERVE_LATENCY_BUDGET_MS=0 turned the budget off
                 "latency_budget_ms": round(s.latency_budget_s * 1000) if s.latency_budget_ms != 0 else None,
             },
+            # Text Embeddings Inference's keys, for its clients: the default model's, or ?model='s.
+            **tei.info(models, request.args.get("model")),
         }
     )
 

@@ -12,12 +12,16 @@ interface with worked examples.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
+
+from service.config.prompt_spec import Prompts
 
 # A model's outputs: a list, or an array whose first axis runs over the inputs.
 Outputs: TypeAlias = Sequence[Any] | np.ndarray
@@ -73,6 +77,31 @@ def item_sizer(model: Model) -> Callable[[Any], int] | None:
     return size if callable(size) else None
 
 
+# Which end of a text past its model's token limit is cut: None for the tokenizer's
+# own side (the right, for nearly every model), or the side a request asks for
+# (TEI's truncation_direction). A context variable rather than an argument of
+# ``prepare``, so that the model interface keeps one argument and every kind that
+# tokenizes with service.models.hf.Encoder honours it: the request thread sets it
+# around its items' ``prepare`` (``truncating``), and the Encoder reads it there.
+TRUNCATION_SIDE: ContextVar[str | None] = ContextVar("truncation_side", default=None)
+
+
+@contextlib.contextmanager
+def truncating(side: str | None) -> Iterator[None]:
+    """Within the block, texts are cut on ``side`` ("left" or "right"; None: each tokenizer's own)."""
+    token = TRUNCATION_SIDE.set(side)
+    try:
+        yield
+    finally:
+        TRUNCATION_SIDE.reset(token)
+
+
+def token_pieces(model: Model) -> Callable[[Any, bool], list[dict[str, Any]]] | None:
+    """The model's ``token_pieces``: its tokenizer's tokens of a text (service.models.hf.Tokenized)."""
+    pieces = getattr(model, "token_pieces", None)
+    return pieces if callable(pieces) else None
+
+
 def task_of(model: Model) -> str:
     """The model's task; a model that names none (an older factory) is "generic"."""
     task = getattr(model, "task", GENERIC)
@@ -91,6 +120,9 @@ def describe(model: Model) -> dict[str, Any]:
     layout = getattr(model, "layout", None)  # an image program's memory layout (service.models.layout)
     if layout is not None:
         described["layout"] = layout.describe()
+    prompts = getattr(model, "prompts", None)  # a sentence-transformers directory's
+    if isinstance(prompts, Prompts):
+        described.update(prompts.describe())
     return described
 
 

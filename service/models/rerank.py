@@ -23,6 +23,7 @@ from service.models.base import RERANK, json_type
 from service.models.hf import (
     BoundedShapes,
     Encoder,
+    Tokenized,
     Tokens,
     check_text,
     directory_name,
@@ -36,7 +37,7 @@ from service.models.hf import (
 log = logging.getLogger(__name__)
 
 
-class CrossEncoderModel(BoundedShapes):
+class CrossEncoderModel(BoundedShapes, Tokenized):
     task = RERANK
     item_kind = "text-pair"
     item_shape: tuple[int, ...] | None = None
@@ -53,6 +54,8 @@ class CrossEncoderModel(BoundedShapes):
         loaded = AutoModelForSequenceClassification.from_pretrained(str(path), local_files_only=True)
         self._model = in_float32(loaded.eval().to(device), self.name)
         self._max_length = position_limit(self._tokenizer, self._model.config)
+        # Its one label, as TEI's /info lists a reranker's (service.http.tei).
+        self.labels = [str(self._model.config.id2label[i]) for i in range(self._model.config.num_labels)]
         self._encode = Encoder(self._tokenizer, max_length=self._max_length)
         self._pad_id = self._tokenizer.pad_token_id or 0
         self._activation = default_activation(self._model.config)

@@ -125,6 +125,15 @@ def test_openai_sdk_float_and_a_single_string(openai_client: openai.OpenAI, refe
     assert response.usage.prompt_tokens == 8
 
 
+def test_openai_sdk_dimensions(openai_client: openai.OpenAI, reference: np.ndarray) -> None:
+    # text-embedding-3's option: the first components, back to unit length.
+    response = openai_client.embeddings.create(model=MODEL, input=SENTENCES, dimensions=128)
+    cut = np.array([d.embedding for d in response.data])
+    expected = reference[:, :128] / np.linalg.norm(reference[:, :128], axis=1, keepdims=True)
+    np.testing.assert_allclose(cut, expected, atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(cut, axis=1), 1.0, rtol=1e-5)
+
+
 def test_openai_sdk_errors(openai_client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as empty:
         openai_client.embeddings.create(model=MODEL, input=[])
@@ -134,8 +143,12 @@ def test_openai_sdk_errors(openai_client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as unknown:
         openai_client.embeddings.create(model="text-embedding-3-small", input="x")
     assert unknown.value.code == "model_not_found"
-    with pytest.raises(openai.BadRequestError, match="dimensions"):
-        openai_client.embeddings.create(model=MODEL, input="x", dimensions=128)
+    with pytest.raises(openai.BadRequestError, match="from 1 to 384") as too_wide:
+        openai_client.embeddings.create(model=MODEL, input="x", dimensions=385)
+    assert too_wide.value.param == "dimensions"
+    # What LangChain's OpenAIEmbeddings sends by default: tiktoken's token ids.
+    with pytest.raises(openai.BadRequestError, match="check_embedding_ctx_length=False"):
+        openai_client.embeddings.create(model=MODEL, input=[[32, 893, 374, 12459, 3691, 13]])
     with pytest.raises(openai.BadRequestError, match="20000"):
         openai_client.embeddings.create(model=MODEL, input="x" * 20_001)
 

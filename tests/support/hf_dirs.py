@@ -72,3 +72,36 @@ def build(root: Path) -> dict[str, Path]:
         tokenizer.save_pretrained(path)
         dirs[task] = path
     return dirs
+
+
+def prompt_dir(
+    path: Path,
+    prompts: dict[str, str] | object,
+    default: str | None = None,
+    *,
+    include_prompt: bool = True,
+    pooling: str | None = None,
+) -> Path:
+    """A copy of the default model's directory at ``path`` whose config lists ``prompts``.
+
+    Its weights are a link to the package's, the rest copied, so that each
+    directory costs a few kilobytes. ``include_prompt=False`` writes the
+    pooling config that leaves the prompt out, as sentence-transformers reads it;
+    ``pooling`` replaces its mode ("cls", "weightedmean", ...).
+    """
+    import json
+    import shutil
+
+    source = minilm_path()
+    shutil.copytree(source, path, ignore=shutil.ignore_patterns("model.safetensors"))
+    (path / "model.safetensors").symlink_to(source / "model.safetensors")
+    config = {"prompts": prompts, "default_prompt_name": default, "similarity_fn_name": "cosine"}
+    (path / "config_sentence_transformers.json").write_text(json.dumps(config))
+    pooling_config = path / "1_Pooling" / "config.json"
+    settings = json.loads(pooling_config.read_text())
+    settings["include_prompt"] = include_prompt
+    if pooling is not None:
+        settings = {key: value for key, value in settings.items() if not key.startswith("pooling_mode")}
+        settings["pooling_mode"] = pooling
+    pooling_config.write_text(json.dumps(settings))
+    return path

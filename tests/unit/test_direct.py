@@ -42,6 +42,9 @@ VIEWS = (
     "rerank.rerank_v1",
     "rerank.rerank_v2",
     "rerank.rerank_naive",
+    "tei.embed",
+    "tei.rerank",
+    "tei.root",
 )
 # A rerank answer carries its request's id: both ways are sent the same one.
 RERANK_JSON = {**JSON, REQUEST_ID_HEADER: "rerank-1"}
@@ -132,6 +135,15 @@ PROTOCOL_CASES: dict[str, Case] = {
     "v2, too many items": ("/v2/models/vectors/infer", JSON, _tensor(["x"] * 5)),
     "v2, a body over the limit": ("/v2/models/vectors/infer", JSON, _tensor(["x" * 3000])),
     "v2, a header length past the body": ("/v2/models/vectors/infer", {V2_LENGTH: "9999"}, _tensor(["x"])),
+    "TEI, embed": ("/embed", JSON, _body({"inputs": ["a", "b c"], "dimensions": 2})),
+    "TEI, the root embeds": ("/", JSON, _body({"inputs": "hello", "normalize": False})),
+    "TEI, a model named": ("/embed?model=vectors", JSON, _body({"inputs": "x"})),
+    "TEI, another model": ("/embed?model=gpt", JSON, _body({"inputs": "x"})),
+    "TEI, no inputs": ("/embed", JSON, _body({"inputs": []})),
+    "TEI, a bad field": ("/", JSON, _body({"inputs": "x", "truncation_direction": "up"})),
+    "TEI, too many texts": ("/embed", JSON, _body({"inputs": ["x"] * 5})),
+    "TEI, not json": ("/embed", JSON, b"[1,"),
+    "TEI, rerank on an embedder": ("/rerank", JSON, _body({"query": QUERY, "texts": DOCUMENTS})),
 }
 
 
@@ -167,6 +179,10 @@ RERANK_CASES: dict[str, Case] = {
     ),
     "Cohere, not json": ("/v2/rerank", RERANK_JSON, b"{"),
     "naive, text/plain": ("/rerank/naive", {"Content-Type": "text/plain"}, b"x"),
+    "TEI": ("/rerank", JSON, _body({"query": QUERY, "texts": DOCUMENTS, "return_text": True})),
+    "TEI, the root reranks": ("/", JSON, _body({"query": QUERY, "texts": DOCUMENTS})),
+    "TEI, raw scores": ("/rerank", JSON, _body({"query": QUERY, "texts": DOCUMENTS, "raw_scores": True})),
+    "TEI, embed on a reranker": ("/embed", JSON, _body({"inputs": "x"})),
 }
 
 

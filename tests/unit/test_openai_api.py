@@ -47,6 +47,18 @@ def test_base64_is_little_endian_float32(vectors: FlaskClient) -> None:
     assert decoded == [[2.0, 0.0, 1.0], [7.0, 3.0, 1.0]]
 
 
+def test_dimensions_cut_and_renormalise(vectors: FlaskClient) -> None:
+    # text-embedding-3's "dimensions": the first components, scaled back to unit length.
+    cut = embed(vectors, input=["a b c", "ab"], dimensions=2, encoding_format="float").json
+    expected = [np.array([5.0, 2.0]) / np.hypot(5.0, 2.0), np.array([2.0, 0.0]) / 2.0]
+    np.testing.assert_allclose([d["embedding"] for d in cut["data"]], expected, rtol=1e-6)  # type: ignore[index]
+    whole = embed(vectors, input="a b c", dimensions=3, encoding_format="base64").json["data"][0]  # type: ignore[index]
+    vector = np.frombuffer(base64.b64decode(whole["embedding"]), "<f4")
+    np.testing.assert_allclose(vector, np.array([5.0, 2.0, 1.0]) / np.sqrt(30.0), rtol=1e-6)
+    # Left out, or null: the model's own vectors, untouched.
+    assert embed(vectors, input="a b c", dimensions=None).json["data"][0]["embedding"] == [5.0, 2.0, 1.0]  # type: ignore[index]
+
+
 def test_models_lists_the_served_model(vectors: FlaskClient) -> None:
     listed = vectors.get("/v1/models").json
     [model] = listed["data"]  # type: ignore[index]
@@ -75,7 +87,10 @@ def error_of(response: Any, status: int) -> dict[str, Any]:
         ({"input": [[1, 2]]}, "input", "token arrays"),
         ({"input": {"text": "x"}}, "input", "a string or a list"),
         ({}, "input", "a string or a list"),
-        ({"input": "x", "dimensions": 2}, "dimensions", "not supported"),
+        ({"input": [[1, 2]]}, "input", "check_embedding_ctx_length=False"),
+        ({"input": "x", "dimensions": 4}, "dimensions", "from 1 to 3"),
+        ({"input": "x", "dimensions": 0}, "dimensions", "from 1 to 3"),
+        ({"input": "x", "dimensions": "2"}, "dimensions", "got string"),
         ({"input": "x", "encoding_format": "int8"}, "encoding_format", "int8"),
         ({"input": ["x"] * 9}, None, "limit is 8"),
     ],
