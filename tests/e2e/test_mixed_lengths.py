@@ -17,9 +17,19 @@ pytestmark = pytest.mark.e2e
 CORPUS = ROOT / "scripts" / "fixtures" / "corpus" / "mixed.txt"
 
 
-@pytest.fixture(scope="module")
-def minilm() -> Iterator[Server]:
-    with gunicorn({"SERVE_WORKERS": "1"}) as server:
+@pytest.fixture(scope="module", params=["float32", "auto"])
+def minilm(request: pytest.FixtureRequest) -> Iterator[Server]:
+    """float32, and the default precision where it differs (bfloat16 on a CPU with AMX).
+
+    Where a worker's calls are padded to bounded shapes (service.models.shapes:
+    bfloat16 keeps oneDNN's kernels), lengths step by 16 tokens to 64 and then
+    by two steps a doubling, so a sub-batch carries more padding than float32's
+    exact lengths; the padding floor below says which it holds each to.
+    """
+    with gunicorn({"SERVE_WORKERS": "1", "SERVE_PRECISION": request.param}) as server:
+        in_use = server.get("/info").json()["precision"]["in_use"]
+        if request.param == "auto" and in_use == "float32":
+            pytest.skip("auto is float32 on this processor: the float32 run covers it")
         yield server
 
 
@@ -68,6 +78,11 @@ def test_a_burst_of_mixed_lengths_matches_the_naive_route_and_pads_little(minilm
     assert real == sum(sizes)
     # The whole burst in one padded batch: every item padded to the longest.
     one_padded_batch = sum(sizes) / (len(sizes) * max(sizes))
-    assert real / padded > max(2 * one_padded_batch, 0.5), (real, padded, one_padded_batch)
+    bounded = minilm.get("/info").json()["precision"]["in_use"] != "float32"
+    # Bounded shapes pad a length of 65 to 96 and 5 rows to 8, and how much depends on how the
+    # burst splits into batches: 0.40 to 0.49 of their tokens were real over seven runs, against
+    # 0.21 for one padded batch. Half the tokens real is float32's floor, 1.5x one padded batch theirs.
+    floor = 1.5 * one_padded_batch if bounded else max(2 * one_padded_batch, 0.5)
+    assert real / padded > floor, (real, padded, one_padded_batch)
     assert delta("serve_batch_sub_batches_count") == delta("serve_batches_total") >= 1
     assert delta("serve_batch_sub_batches_sum") > delta("serve_batches_total")
