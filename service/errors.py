@@ -5,10 +5,14 @@ turn it into ``{"error": message}``. Where callers already catch a stdlib
 exception for the same condition, the class subclasses it too. A shed request
 (503, 504) also carries a short ``reason`` that the metrics count it under, set
 where the cause is known: the same status has several causes an operator must
-tell apart (a full queue is not a GPU out of memory).
+tell apart (a full queue is not a GPU out of memory). ``json_type`` names a
+value's JSON type in the messages that refuse it, in a client's body or in a
+model directory's config alike.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class SettingsError(ValueError):
@@ -84,3 +88,15 @@ class ClientClosed(ServeError):
 
     status = 499
     reason = "client_closed"
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type, for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    names: dict[type, str] = {str: "string", list: "array", dict: "object"}
+    return names.get(type(value), type(value).__name__)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.errors import SettingsError
+from service.errors import SettingsError, json_type
 
 PROMPTS_FILE = "config_sentence_transformers.json"
 
@@ -72,17 +72,17 @@ def prompts_from(document: dict[str, Any], where: str) -> Prompts | None:
     if not isinstance(prompts, dict):
         raise SettingsError(
             f'{where}: "prompts" must be an object of prompt names to texts, '
-            f'such as {{"query": "query: "}}, got {_json_type(prompts)}'
+            f'such as {{"query": "query: "}}, got {json_type(prompts)}'
         )
     for name, text in prompts.items():
         if not isinstance(text, str):
             raise SettingsError(
                 f'{where}: "prompts" {name!r} must be a string (the text put before each input), '
-                f"got {_json_type(text)}"
+                f"got {json_type(text)}"
             )
     if default is not None and not isinstance(default, str):
         raise SettingsError(
-            f'{where}: "default_prompt_name" must be null or a name in "prompts", got {_json_type(default)}'
+            f'{where}: "default_prompt_name" must be null or a name in "prompts", got {json_type(default)}'
         )
     if default is not None and default not in prompts:
         known = ", ".join(repr(name) for name in prompts) or "none"
@@ -93,8 +93,3 @@ def prompts_from(document: dict[str, Any], where: str) -> Prompts | None:
     if not prompts:
         return None
     return Prompts(dict(prompts), default)
-
-
-def _json_type(value: Any) -> str:
-    names = {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object"}
-    return names.get(type(value), "a string" if isinstance(value, str) else "null")

@@ -25,7 +25,8 @@ import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+from urllib.parse import parse_qs
 
 import orjson
 from flask import Response, current_app
@@ -47,6 +48,7 @@ from service.http.arrival import (
     WAITING_ENVIRON_KEY,
 )
 from service.http.resend import BODY_ENVIRON_KEY, HELD_DIGEST_ENVIRON_KEY, is_resend
+from service.http.tei_codec import PATHS as TEI_PATHS
 from service.model_set import ModelSet
 from service.models import Model
 from service.models.base import Outputs
@@ -62,6 +64,7 @@ BATCH_SIZE_HEADER = "X-Batch-Size"
 Choose = Callable[[Any], Model]
 # Turns a request body into the prepared items of the model it chose, or raises a ServeError.
 Parser = Callable[[bytes, Choose], list[Any]]
+T = TypeVar("T")
 
 
 def runtime() -> ModelSet:
@@ -83,9 +86,15 @@ def is_inference_path(path: str) -> bool:
     return (
         path.startswith(("/predict", "/rerank/"))
         or path in ("/v1/embeddings", "/v1/rerank", "/v2/rerank")
-        or path in ("/", "/embed", "/rerank", "/tokenize")  # TEI's (service.http.tei.PATHS)
+        or path in TEI_PATHS
         or (path.startswith("/v2/models/") and path.endswith("/infer"))
     )
+
+
+def query_model(environ: dict[str, Any]) -> str | None:
+    """The model the URL's ``?model=`` names (the last, if several); None without one."""
+    query = environ.get("QUERY_STRING")
+    return parse_qs(query).get("model", [None])[-1] if query else None
 
 
 def deadline(started: float, limit_ms: int, environ: dict[str, Any]) -> float:
@@ -160,11 +169,7 @@ class Batched:
 
 def serve_batched(models: ModelSet, environ: dict[str, Any], parse: Parser) -> Batched:
     """Parse the request's body with ``parse`` and run its items through its model's batcher."""
-    # From the request's arrival (service.http.door), not from now: its wait for
-    # a thread counts toward its deadline and its latency budget.
-    arrived = environ.get(ARRIVAL_ENVIRON_KEY)
-    if not isinstance(arrived, float):
-        arrived = time.monotonic()
+    arrived = _arrival(environ)
     until = deadline(arrived, models.settings.request_timeout_ms, environ)
     if models.single:
         rt = models.default
@@ -187,15 +192,42 @@ def serve_batched(models: ModelSet, environ: dict[str, Any], parse: Parser) -> B
         return _run(model, batcher, items, environ, body_bytes=size, until=until, arrived=arrived)
 
 
+def serve_in_thread(models: ModelSet, environ: dict[str, Any], work: Callable[[bytes, float], T]) -> T:
+    """``work(body, until)`` for a route that answers in the request thread (TEI's ``/tokenize``).
+
+    Its body is read as a batched route reads its own: within the worker's
+    bound on bodies, and by the request's deadline ``until``, which ``work``
+    keeps to as it goes.
+    """
+    arrived = _arrival(environ)
+    until = deadline(arrived, models.settings.request_timeout_ms, environ)
+    return _with_body(models, environ, lambda body: work(body, until), until=until, arrived=arrived)
+
+
+def _arrival(environ: dict[str, Any]) -> float:
+    # From the request's arrival (service.http.door), not from now: its wait for
+    # a thread counts toward its deadline and its latency budget.
+    arrived = environ.get(ARRIVAL_ENVIRON_KEY)
+    return arrived if isinstance(arrived, float) else time.monotonic()
+
+
 def _read_items(
     models: ModelSet, environ: dict[str, Any], parse: Parser, choose: Choose, *, until: float, arrived: float
 ) -> tuple[list[Any], int]:
     """The request's prepared items, and its body's size; its body held within the worker's bound."""
+    return _with_body(
+        models, environ, lambda body: (parse(body, choose), len(body)), until=until, arrived=arrived
+    )
+
+
+def _with_body(
+    models: ModelSet, environ: dict[str, Any], use: Callable[[bytes], T], *, until: float, arrived: float
+) -> T:
+    """``use`` of the request's body, which holds room in the worker's bound on bodies meanwhile."""
     settings = models.settings
     room = take_body_room(models, environ, min(until, arrived + settings.latency_budget_s))
     try:
-        body = read_body(environ, settings.max_body_bytes)
-        return parse(body, choose), len(body)
+        return use(read_body(environ, settings.max_body_bytes))
     finally:
         if room:
             models.bodies.give_back(room)

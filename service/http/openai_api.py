@@ -20,14 +20,13 @@ from typing import Any, TypeVar
 import numpy as np
 from flask import Blueprint, Flask, Response, current_app, request
 
-from service.errors import BadRequest, ServeError
-from service.http import v2_codec
+from service.errors import InvalidInput, ServeError, json_type
 from service.http.inference import Answer, Choose, Handler, json_answer, json_response, runtime, serve_batched
-from service.http.payload import load_json, prepare_items, require_json
-from service.http.vectors import as_vectors, check_dimensions, embedding_size, shorten
+from service.http.payload import is_token_ids, load_json, prepare_items, require_json
+from service.http.vectors import as_vectors, check_dimensions, embedding_size, embeds_text, shorten
 from service.model_set import ModelSet, UnknownModel
 from service.models import Model
-from service.models.base import EMBEDDINGS, GENERIC, RERANK, item_sizer, json_type, task_of
+from service.models.base import GENERIC, RERANK, item_sizer, task_of
 from service.models.prompts import prompts_of, with_prompt
 from service.runtime import ModelRuntime
 
@@ -134,7 +133,7 @@ def _with_prompt(model: Model, texts: list[str], prompt_name: Any) -> list[Any]:
     """The texts with the prompt ``prompt_name`` names (the openai SDK sends it in ``extra_body``)."""
     try:
         return with_prompt(model, texts, prompt_name)
-    except BadRequest as exc:
+    except InvalidInput as exc:
         raise OpenAIError(400, exc.message, param="prompt_name") from None
 
 
@@ -176,7 +175,7 @@ def _texts(given: Any) -> list[str]:
     for index, text in enumerate(texts):
         if not isinstance(text, str):
             # LangChain's OpenAIEmbeddings sends tiktoken's token ids for OpenAI's models unless told not to.
-            hint = _TOKENS_HINT if isinstance(text, (int, list)) else ""
+            hint = _TOKENS_HINT if is_token_ids(text) else ""
             raise OpenAIError(
                 400, f"input[{index}]: expected a string, got {json_type(text)}{hint}", param="input"
             )
@@ -198,22 +197,14 @@ def _chosen(choose: Callable[[str], T], name: str) -> T:
 
 
 def _check_embedding_model(model: Model) -> None:
-    task = task_of(model)
-    if task not in (EMBEDDINGS, GENERIC):
+    if not embeds_text(model):
+        task = task_of(model)
+        kind = task if task != GENERIC else f"{model.item_kind} items"
         raise OpenAIError(
             404,
-            f"model {model.name!r} serves {task}, not embeddings; the embeddings API serves a "
-            "sentence-transformers directory or another model that returns vectors. "
+            f"model {model.name!r} serves {kind}, not embeddings; the embeddings API serves a "
+            "sentence-transformers directory or another model that takes text and returns vectors. "
             f"{'POST /v1/rerank' if task == RERANK else 'POST /predict'} serves this one",
-            code="model_not_found",
-        )
-    shape = v2_codec.output_spec(model).shape
-    if model.item_kind != "text" or (shape is not None and len(shape) != 2):
-        raise OpenAIError(
-            404,
-            f"model {model.name!r} takes {model.item_kind} items and returns outputs of shape "
-            f"{v2_codec.output_spec(model).describe()['shape']}; the embeddings API serves only models "
-            "that take text and return vectors. POST /predict serves this one",
             code="model_not_found",
         )
 

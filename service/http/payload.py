@@ -15,9 +15,16 @@ from typing import Any
 
 import orjson
 
-from service.errors import BadRequest, InvalidInput, PayloadTooLarge, ServeError, UnsupportedMediaType
+from service.errors import (
+    BadRequest,
+    InvalidInput,
+    PayloadTooLarge,
+    ServeError,
+    UnsupportedMediaType,
+    json_type,
+)
 from service.http.multipart import MULTIPART, parse_parts
-from service.models.base import Model, Outputs, json_type
+from service.models.base import Model, Outputs
 
 JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 IMAGE_ITEM_KIND = "image"
@@ -110,6 +117,19 @@ def prepare_items(values: list[Any], model: Model, max_items: int, field: str = 
         except ValueError as exc:
             raise InvalidInput(f"{field}[{index}]: {exc}") from None
     return prepared
+
+
+def is_token_ids(value: Any) -> bool:
+    """Whether ``value``, sent in place of a text, is a token id or a list of them.
+
+    OpenAI's and TEI's APIs take token ids; the service's models tokenize
+    texts, and a refusal of ids says how to send text instead.
+    """
+
+    def token_id(entry: Any) -> bool:
+        return isinstance(entry, int) and not isinstance(entry, bool)  # JSON's true is no number
+
+    return token_id(value) or (isinstance(value, list) and bool(value) and all(map(token_id, value)))
 
 
 def render_outputs(model_name: str, outputs: Outputs) -> bytes:

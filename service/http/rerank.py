@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from flask import Blueprint, Response, request
 
-from service.errors import ModelError, ServeError
+from service.errors import ModelError, ServeError, json_type
 from service.http.access import REQUEST_ID_ENVIRON_KEY
 from service.http.inference import (
     Answer,
@@ -36,7 +36,7 @@ from service.http.inference import (
 from service.http.payload import check_count, load_json, prepare_items, require_json
 from service.model_set import ModelSet
 from service.models import Model
-from service.models.base import MAX_TEXT_CHARS, RERANK, item_sizer, json_type, task_of
+from service.models.base import MAX_TEXT_CHARS, RERANK, item_sizer, task_of
 
 bp = Blueprint("rerank", __name__)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hmac
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import parse_qs
 
 from flask import Blueprint, Flask, Response, request
 
@@ -24,6 +23,7 @@ from service.http.inference import (
     batch_size_header,
     is_inference_path,
     json_response,
+    query_model,
     runtime,
     serve_batched,
     serve_naive,
@@ -75,9 +75,8 @@ def answer_predict(
     rt: ModelSet, environ: dict[str, Any], args: Mapping[str, Any], *, naive: bool = False
 ) -> Answer:
     """A /predict request's items through its model's batcher, or in this thread for /predict/naive."""
-    query = environ.get("QUERY_STRING")
     # ?model= names the model of a body that cannot (a raw image); the body's "model" field goes first.
-    named = parse_qs(query).get("model", [None])[-1] if query else None
+    named = query_model(environ)
 
     def parse(body: bytes, choose: Choose) -> list[object]:
         content_type = environ.get("CONTENT_TYPE")
@@ -166,7 +165,7 @@ def info() -> Response:
                 "latency_budget_ms": round(s.latency_budget_s * 1000) if s.latency_budget_ms != 0 else None,
             },
             # Text Embeddings Inference's keys, for its clients: the default model's, or ?model='s.
-            **tei.info(models, request.args.get("model")),
+            **tei.info(models, query_model(request.environ)),
         }
     )
 

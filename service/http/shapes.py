@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from service.errors import Overloaded, ServeError, Unauthorized
-from service.http import openai_api, rerank, tei
+from service.http import openai_api, rerank, tei_codec
 from service.http.access import REQUEST_ID_ENVIRON_KEY
 from service.http.arrival import MODEL_ENVIRON_KEY, ask_to_hold
 
@@ -46,8 +46,8 @@ def error_document(
     """The status and body the protocol of ``path`` gives an error."""
     if path in rerank.COHERE_PATHS:
         return rerank.error_document(status, message)
-    if path in tei.PATHS:
-        return tei.error_document(status, message, exc)
+    if path in tei_codec.PATHS:
+        return tei_codec.error_document(status, message, exc)
     if path.startswith("/v1/"):
         return openai_api.error_document(status, message, exc)
     if (path == "/v2" or path.startswith("/v2/")) and status == 422:

@@ -8,7 +8,8 @@ So that TEI's clients work against the service as they are: huggingface_hub's
 (``/rerank``). ``/embed``, ``/rerank`` and ``/`` take the batched path
 (service.http.inference): their requests share batches, limits, deadlines and
 admission with every other protocol's. ``/tokenize`` runs the model's
-tokenizer in the request thread, as every route's ``prepare`` does. Bodies are
+tokenizer in the request thread, as every route's ``prepare`` does, its body
+bounded and its deadline kept as the batched routes' are. Bodies are
 read and answers written by service.http.tei_codec; ``/info`` carries TEI's
 keys beside the service's own (``info``).
 
@@ -18,9 +19,10 @@ Cohere's ``/v1/rerank`` picks it (Haystack's ranker cannot add a query to its
 URL). ``POST /`` answers as TEI does for that model's task: ``/embed`` for an
 embedder, ``/rerank`` for a cross-encoder, TEI's classify for a classifier.
 
-Errors take TEI's shape, ``{"error": message, "error_type": kind}``. The
-statuses are TEI's for a bad field (422) and an empty batch (400), and the
-service's where they differ: 503 with ``Retry-After`` for an overloaded or
+Errors take TEI's shape, ``{"error": message, "error_type": kind}``
+(service.http.tei_codec.error_document, by the error's class). The statuses
+are TEI's for a bad field (422) and an empty batch (400), and the service's
+where they differ: 503 with ``Retry-After`` for an overloaded or
 loading worker (TEI: 429 and 503), 413 for too many inputs or too large a body
 (TEI: 422 and 413), 404 for a model the route does not serve (TEI: 424), 415
 for a body that is not JSON, 504 past the deadline.
@@ -28,34 +30,31 @@ for a body that is not JSON, 504 past the deadline.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import parse_qs
 
 from flask import Blueprint, Response, request
 
 from service import __version__
-from service.errors import BadRequest, NotReady, Overloaded
+from service.errors import DeadlineExceeded, InvalidInput
 from service.http.inference import (
     Answer,
     Choose,
     Handler,
     json_answer,
     json_response,
-    read_body,
+    query_model,
     runtime,
     serve_batched,
+    serve_in_thread,
 )
 from service.http.payload import check_count, prepare_items
 from service.http.tei_codec import (
-    BACKEND,
-    OVERLOADED,
-    UNHEALTHY,
-    VALIDATION,
     Classify,
     Embed,
+    NotServed,
     Rerank,
-    TEIError,
     document_of,
     parse_classify,
     parse_embed,
@@ -63,50 +62,46 @@ from service.http.tei_codec import (
     parse_tokenize,
     render_classify,
     render_rerank,
+    tei_pooling,
 )
 from service.http.vectors import as_vectors, check_dimensions, embedding_size, embeds_text, shorten
 from service.model_set import ModelSet
 from service.models import Model
-from service.models.base import CLASSIFICATION, EMBEDDINGS, GENERIC, RERANK, task_of, token_pieces, truncating
-from service.models.prompts import check_prompt_name, prompts_of, with_prompt
+from service.models.base import (
+    CLASSIFICATION,
+    EMBEDDINGS,
+    GENERIC,
+    RERANK,
+    cuts_on,
+    task_of,
+    token_pieces,
+    truncating,
+)
+from service.models.prompts import prompt_text, with_prompt
 
 bp = Blueprint("tei", __name__)
 
-PATHS = ("/", "/embed", "/rerank", "/tokenize")
 _INPUTS = '{"inputs": ["text", ...]}'
 _QUERY_AND_TEXTS = '{"query": "text", "texts": ["text", ...]}'
 # The route that serves a model of each task, for the 404 of a route that does not.
 _SERVED_AT = {EMBEDDINGS: "POST /embed", RERANK: "POST /rerank", CLASSIFICATION: "POST /"}
 
 
-def error_document(status: int, message: str, exc: BaseException | None = None) -> tuple[int, dict[str, Any]]:
-    """TEI's error body, ``{"error", "error_type"}``, at the service's status."""
-    if isinstance(exc, TEIError):
-        kind = exc.error_type
-    elif isinstance(exc, NotReady):
-        kind = UNHEALTHY
-    elif isinstance(exc, Overloaded) or status == 503:
-        kind = OVERLOADED
-    else:
-        kind = BACKEND if status >= 500 else VALIDATION
-    return status, {"error": message, "error_type": kind}
-
-
 # -- the batched routes ----------------------------------------------------------
 
 
 def answer_embed(rt: ModelSet, environ: dict[str, Any], args: Mapping[str, Any]) -> Answer:
-    return _embed(rt, environ, _named(environ))
+    return _embed(rt, environ, query_model(environ))
 
 
 def answer_rerank(rt: ModelSet, environ: dict[str, Any], args: Mapping[str, Any]) -> Answer:
-    named = _named(environ)
+    named = query_model(environ)
     return _rerank(rt, environ, named if named is not None else rt.first_of(RERANK))
 
 
 def answer_root(rt: ModelSet, environ: dict[str, Any], args: Mapping[str, Any]) -> Answer:
     """TEI's route for the task of the model ``?model=`` names (else the default's)."""
-    name = _named(environ)
+    name = query_model(environ)
     rt.require_ready()
     task = task_of(rt.pick(name).require_ready()[0])
     if task == RERANK:
@@ -145,12 +140,13 @@ def _embed(rt: ModelSet, environ: dict[str, Any], name: str | None) -> Answer:
         model = choose(name)
         _check_embedder(model)
         embed = parse_embed(document)
+        _check_side(model, embed.side)
         try:
             dimensions = check_dimensions(embed.dimensions, embedding_size(model), model.name)
         except ValueError as exc:
-            raise TEIError(str(exc)) from None
+            raise InvalidInput(str(exc)) from None
         asked.append((embed, dimensions))
-        texts = _with_prompt(model, embed.texts, embed.prompt_name)
+        texts = with_prompt(model, embed.texts, embed.prompt_name)
         with truncating(embed.side):
             return prepare_items(texts, model, rt.settings.max_items_per_request)
 
@@ -159,7 +155,7 @@ def _embed(rt: ModelSet, environ: dict[str, Any], name: str | None) -> Answer:
     try:
         vectors = shorten(as_vectors(done.model, done.outputs), dimensions, normalize=embed.normalize)
     except ValueError as exc:  # a model that declares no size, found out by its vectors
-        raise TEIError(str(exc)) from None
+        raise InvalidInput(str(exc)) from None
     return json_answer(vectors, done.batch_size)
 
 
@@ -173,6 +169,7 @@ def _rerank(rt: ModelSet, environ: dict[str, Any], name: str | None) -> Answer:
         model = choose(name)
         _check_task(model, RERANK)
         rerank = parse_rerank(document)
+        _check_side(model, rerank.side)
         asked.append(rerank)
         limit = rt.settings.documents_limit
         check_count(len(rerank.texts), limit, "texts", "SERVE_MAX_DOCUMENTS_PER_REQUEST")
@@ -191,6 +188,7 @@ def _classify(rt: ModelSet, environ: dict[str, Any], name: str | None) -> Answer
         model = choose(name)
         _check_task(model, CLASSIFICATION)
         classify = parse_classify(document)
+        _check_side(model, classify.side)
         asked.append(classify)
         with truncating(classify.side):
             return prepare_items(classify.texts, model, rt.settings.max_items_per_request)
@@ -199,34 +197,71 @@ def _classify(rt: ModelSet, environ: dict[str, Any], name: str | None) -> Answer
     return json_answer(render_classify(done.outputs, asked[0], done.model.name), done.batch_size)
 
 
+def _check_embedder(model: Model) -> None:
+    if not embeds_text(model):
+        task = task_of(model)
+        served = _SERVED_AT.get(task, "POST /predict")
+        kind = task if task != GENERIC else f"{model.item_kind} items"
+        raise NotServed(
+            f"model {model.name!r} serves {kind}, not text embeddings; POST /embed serves a "
+            "sentence-transformers directory or another model that takes text and returns vectors. "
+            f"{served} serves this one"
+        )
+
+
+def _check_task(model: Model, task: str) -> None:
+    served = task_of(model)
+    if served != task:
+        what = "a cross-encoder" if task == RERANK else "a sequence classifier"
+        raise NotServed(
+            f"model {model.name!r} serves {served}, not {task}; this route serves {what}. "
+            f"{_SERVED_AT.get(served, 'POST /predict')} serves this one"
+        )
+
+
+def _check_side(model: Model, side: str | None) -> None:
+    """Refuse a ``truncation_direction`` the model would not honour, rather than cut the other side."""
+    if side is not None and not cuts_on(model, side):
+        raise InvalidInput(
+            f'"truncation_direction" "{side.capitalize()}": model {model.name!r} cannot cut texts on the '
+            f"{side}; only a model that tokenizes with a fast tokenizer through the service (a Hugging "
+            'Face directory) can. Leave "truncation_direction" out'
+        )
+
+
 # -- /tokenize ----------------------------------------------------------------
 
 
 @bp.post("/tokenize")
 def tokenize() -> Response:
-    """Each text's tokens, as the model's tokenizer makes them (its prompt included, as TEI does)."""
+    """Each text's tokens, as the model's tokenizer makes them: its prompt included, as TEI does, and cut
+    at the model's limit on its tokenizer's side."""
     models = runtime()
     models.require_ready()
-    model = models.pick(_named(request.environ)).require_ready()[0]
+    model = models.pick(query_model(request.environ)).require_ready()[0]
     pieces = token_pieces(model)
     if pieces is None:
-        raise TEIError(
-            f"model {model.name!r} has no tokenizer; POST /tokenize serves the models that tokenize text",
-            status=404,
-            error_type=BACKEND,
+        raise NotServed(
+            f"model {model.name!r} has no tokenizer; POST /tokenize serves the models that tokenize text"
         )
-    settings = models.settings
-    body = read_body(request.environ, settings.max_body_bytes)
-    asked = parse_tokenize(document_of(body, request.environ.get("CONTENT_TYPE"), _INPUTS))
-    check_count(len(asked.texts), settings.max_items_per_request)
-    prompt = _prompt_text(model, asked.prompt_name)
-    tokens = []
-    for index, text in enumerate(asked.texts):
-        try:
-            tokens.append(pieces(prompt + text, asked.add_special_tokens))
-        except ValueError as exc:
-            raise TEIError(f"inputs[{index}]: {exc}") from None
-    return json_response(tokens)
+    limit = models.settings.max_items_per_request
+
+    def answer(body: bytes, until: float) -> list[Any]:
+        asked = parse_tokenize(document_of(body, request.environ.get("CONTENT_TYPE"), _INPUTS))
+        check_count(len(asked.texts), limit)
+        prompt = prompt_text(model, asked.prompt_name)
+        tokens = []
+        for index, text in enumerate(asked.texts):
+            if time.monotonic() > until:
+                done = f"{index} of its {len(asked.texts)} texts"
+                raise DeadlineExceeded(f"the request's deadline passed after {done} were tokenized")
+            try:
+                tokens.append(pieces(text, asked.add_special_tokens, prompt))
+            except ValueError as exc:
+                raise InvalidInput(f"inputs[{index}]: {exc}") from None
+        return tokens
+
+    return json_response(serve_in_thread(models, request.environ, answer))
 
 
 # -- /info ----------------------------------------------------------------------
@@ -242,7 +277,8 @@ def info(models: ModelSet, name: str | None) -> dict[str, Any]:
         "model_sha": None,
         "model_dtype": rt.precision.precision if rt.precision is not None else None,
         "model_type": _model_type(model) if model is not None else None,
-        # The items a worker holds queued, at most: TEI's bound on requests in flight.
+        # Not TEI's count of requests: the items one worker holds queued at most (SERVE_MAX_QUEUE),
+        # past which it answers 503. The service's nearest bound on what it takes in at once.
         "max_concurrent_requests": settings.queue_limit,
         "max_input_length": getattr(model, "max_input_length", None),
         "max_batch_tokens": settings.max_batch_tokens,
@@ -270,60 +306,5 @@ def _model_type(model: Model) -> dict[str, Any] | None:
         }
         return {"reranker" if task == RERANK else "classifier": described}
     if embeds_text(model):
-        return {"embedding": {"pooling": getattr(model, "pooling", None)}}
+        return {"embedding": {"pooling": tei_pooling(getattr(model, "pooling", None))}}
     return None
-
-
-# -- helpers --------------------------------------------------------------------
-
-
-def _named(environ: dict[str, Any]) -> str | None:
-    """The model ``?model=`` names (None: the route's own choice)."""
-    query = environ.get("QUERY_STRING")
-    return parse_qs(query).get("model", [None])[-1] if query else None
-
-
-def _check_embedder(model: Model) -> None:
-    if not embeds_text(model):
-        task = task_of(model)
-        served = _SERVED_AT.get(task, "POST /predict")
-        kind = task if task != GENERIC else f"{model.item_kind} items"
-        raise TEIError(
-            f"model {model.name!r} serves {kind}, not text embeddings; POST /embed serves a "
-            "sentence-transformers directory or another model that takes text and returns vectors. "
-            f"{served} serves this one",
-            status=404,
-            error_type=BACKEND,
-        )
-
-
-def _check_task(model: Model, task: str) -> None:
-    served = task_of(model)
-    if served != task:
-        what = "a cross-encoder" if task == RERANK else "a sequence classifier"
-        raise TEIError(
-            f"model {model.name!r} serves {served}, not {task}; this route serves {what}. "
-            f"{_SERVED_AT.get(served, 'POST /predict')} serves this one",
-            status=404,
-            error_type=BACKEND,
-        )
-
-
-def _with_prompt(model: Model, texts: list[str], prompt_name: Any) -> list[Any]:
-    try:
-        return with_prompt(model, texts, prompt_name)
-    except BadRequest as exc:
-        raise TEIError(exc.message) from None
-
-
-def _prompt_text(model: Model, prompt_name: Any) -> str:
-    """The text ``prompt_name`` (else the model's default prompt) puts before each input."""
-    if prompt_name is not None:
-        try:
-            check_prompt_name(model, prompt_name)
-        except BadRequest as exc:
-            raise TEIError(exc.message) from None
-    prompts = prompts_of(model)
-    if prompts is None:
-        return ""
-    return prompts.by_name[prompt_name] if prompt_name is not None else prompts.default

@@ -1,11 +1,13 @@
-"""Text Embeddings Inference's request bodies and answers, checked and written. Pure: no Flask, no model.
+"""Text Embeddings Inference's request bodies, answers and errors. Pure: no Flask, no model.
 
 The fields are TEI's (its router's ``EmbedRequest``, ``RerankRequest``,
 ``PredictRequest`` and ``TokenizeRequest``), with TEI's defaults; a field TEI
 does not know is ignored, as TEI's router ignores it. A field of the wrong type
-or value is a ``TEIError`` naming it: 422 ``Validation``, TEI's status, or 400
-``Empty`` for an empty batch. The choices that differ from TEI are the
-service's:
+or value is an InvalidInput naming it (422 ``Validation``, TEI's status), an
+empty batch an ``Empty`` (400): the service's own error classes, which keep
+their status when service.http.payload.prepare_items names an item in them,
+and which ``error_document`` maps to TEI's ``error_type``. The choices that
+differ from TEI are the service's:
 
 - Texts past the model's token limit are always cut at it, as TEI's default
   (``--auto-truncate``) cuts them and as every other route of the service
@@ -26,10 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from service.errors import ModelError, ServeError
-from service.http.payload import load_json, require_json
-from service.models.base import json_type
+from service.errors import BadRequest, InvalidInput, ModelError, NotReady, Overloaded, ServeError, json_type
+from service.http.payload import is_token_ids, load_json, require_json
 
+# TEI's routes: their errors take TEI's shape (service.http.shapes), and SERVE_API_TOKEN guards them.
+PATHS = ("/", "/embed", "/rerank", "/tokenize")
 # TEI's error types (its router's ErrorType): what its clients read beside the status.
 VALIDATION, EMPTY, OVERLOADED, UNHEALTHY, BACKEND = (
     "Validation",
@@ -39,16 +42,39 @@ VALIDATION, EMPTY, OVERLOADED, UNHEALTHY, BACKEND = (
     "Backend",
 )
 SIDES = ("left", "right")
+# sentence-transformers' pooling modes under TEI's names, where TEI names them otherwise.
+_TEI_POOLING = {"lasttoken": "last_token"}
 _IDS_REFUSED = "; token ids are not supported, send the text"
 
 
-class TEIError(ServeError):
-    """A TEI request's problem, with the ``error_type`` TEI's body names: 422 Validation unless told."""
+class Empty(BadRequest):
+    """A request of no texts: 400, TEI's ``Empty``."""
 
-    def __init__(self, message: str, *, status: int = 422, error_type: str = VALIDATION) -> None:
-        super().__init__(message)
-        self.status = status
-        self.error_type = error_type
+
+class NotServed(ServeError):
+    """The route does not serve the model's task (or the model has no tokenizer): 404, TEI's ``Backend``."""
+
+    status = 404
+
+
+def error_document(status: int, message: str, exc: BaseException | None = None) -> tuple[int, dict[str, Any]]:
+    """TEI's error body, ``{"error", "error_type"}``, at the service's status; the type by ``exc``'s class."""
+    if isinstance(exc, Empty):
+        kind = EMPTY
+    elif isinstance(exc, NotReady):
+        kind = UNHEALTHY
+    elif isinstance(exc, Overloaded) or status == 503:
+        kind = OVERLOADED
+    elif isinstance(exc, NotServed) or status >= 500:
+        kind = BACKEND
+    else:  # a bad field or body (400, 413, 415, 422), an unknown model (404), no token (401)
+        kind = VALIDATION
+    return status, {"error": message, "error_type": kind}
+
+
+def tei_pooling(mode: str | None) -> str | None:
+    """A pooling mode as TEI's ``/info`` names it ("last_token" for sentence-transformers' "lasttoken")."""
+    return _TEI_POOLING.get(mode, mode) if mode is not None else None
 
 
 @dataclass(frozen=True)
@@ -90,7 +116,7 @@ def document_of(body: bytes, content_type: str | None, example: str) -> dict[str
     require_json(content_type)
     document = load_json(body, example)
     if not isinstance(document, dict):
-        raise TEIError(f"the body must be a JSON object such as {example}, got {json_type(document)}")
+        raise InvalidInput(f"the body must be a JSON object such as {example}, got {json_type(document)}")
     return document
 
 
@@ -107,7 +133,7 @@ def parse_embed(document: dict[str, Any]) -> Embed:
 def parse_rerank(document: dict[str, Any]) -> Rerank:
     query = document.get("query")
     if not isinstance(query, str):
-        raise TEIError(f'"query" must be a string, got {json_type(query)}')
+        raise InvalidInput(f'"query" must be a string, got {json_type(query)}')
     _refuse_raw_scores(document)
     return Rerank(
         query=query,
@@ -124,15 +150,15 @@ def parse_classify(document: dict[str, Any]) -> Classify:
     if parameters is None:
         parameters = {}
     if not isinstance(parameters, dict):
-        raise TEIError(f'"parameters" must be an object, got {json_type(parameters)}')
+        raise InvalidInput(f'"parameters" must be an object, got {json_type(parameters)}')
     if parameters.get("function_to_apply") is not None:
-        raise TEIError(
+        raise InvalidInput(
             '"function_to_apply" is not supported: the scores are the model\'s own (a softmax over its '
             "labels, a sigmoid for each where it is multi-label); leave it out"
         )
     top_k = parameters.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise TEIError(f'"top_k" must be a whole number of at least 1, got {top_k!r:.40}')
+        raise InvalidInput(f'"top_k" must be a whole number of at least 1, got {top_k!r:.40}')
     return Classify(texts=_classify_texts(document.get("inputs")), top_k=top_k, side=_truncation(document))
 
 
@@ -171,15 +197,17 @@ def _texts(value: Any, field: str = "inputs") -> list[str]:
     if isinstance(value, str):
         return [value]
     if value is None:
-        raise TEIError(f'"{field}" is missing; send {{"{field}": "text"}} or {{"{field}": ["text", ...]}}')
+        raise InvalidInput(
+            f'"{field}" is missing; send {{"{field}": "text"}} or {{"{field}": ["text", ...]}}'
+        )
     if not isinstance(value, list):
-        raise TEIError(f'"{field}" must be a string or a list of strings, got {json_type(value)}')
+        raise InvalidInput(f'"{field}" must be a string or a list of strings, got {json_type(value)}')
     if not value:
-        raise TEIError(f'"{field}" is empty; send at least one text', status=400, error_type=EMPTY)
+        raise Empty(f'"{field}" is empty; send at least one text')
     for index, text in enumerate(value):
         if not isinstance(text, str):
-            hint = _IDS_REFUSED if isinstance(text, (int, list)) and not isinstance(text, bool) else ""
-            raise TEIError(f"{field}[{index}] must be a string, got {json_type(text)}{hint}")
+            hint = _IDS_REFUSED if is_token_ids(text) else ""
+            raise InvalidInput(f"{field}[{index}] must be a string, got {json_type(text)}{hint}")
     return value
 
 
@@ -189,14 +217,14 @@ def _classify_texts(value: Any) -> list[str]:
         texts = []
         for index, entry in enumerate(value):
             if len(entry) != 1 or not isinstance(entry[0], str):
-                raise TEIError(
+                raise InvalidInput(
                     f'inputs[{index}] must be ["text"]: a batch is [["text"], ["text"], ...], and pairs of '
                     "texts are for a cross-encoder (POST /rerank)"
                 )
             texts.append(entry[0])
         return texts
     if isinstance(value, list) and len(value) > 1 and all(isinstance(entry, str) for entry in value):
-        raise TEIError(
+        raise InvalidInput(
             '"inputs": a list of strings is one pair of texts in TEI\'s API, which a classifier here does '
             'not take; send "text", or [["text"], ["text"], ...] for several'
         )
@@ -208,7 +236,7 @@ def _flag(document: dict[str, Any], field: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise TEIError(f'"{field}" must be true or false, got {json_type(value)}')
+        raise InvalidInput(f'"{field}" must be true or false, got {json_type(value)}')
     return value
 
 
@@ -224,12 +252,12 @@ def _truncation(document: dict[str, Any]) -> str | None:
     if isinstance(value, str) and value.lower() in SIDES:
         return value.lower()
     shown = repr(value)[:40] if isinstance(value, str) else json_type(value)
-    raise TEIError(f'"truncation_direction" must be "Right" or "Left", got {shown}')
+    raise InvalidInput(f'"truncation_direction" must be "Right" or "Left", got {shown}')
 
 
 def _refuse_raw_scores(document: dict[str, Any]) -> None:
     if _flag(document, "raw_scores", False):
-        raise TEIError(
+        raise InvalidInput(
             '"raw_scores": true is not supported: the scores are the model\'s after its activation, '
             "as sentence-transformers' CrossEncoder.predict gives them; leave it false"
         )

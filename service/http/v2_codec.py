@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from service.errors import BadRequest, ModelError
+from service.errors import BadRequest, ModelError, json_type
 from service.http.payload import check_count, load_json, prepare_items
-from service.models.base import CLASSIFICATION, FILL_MASK, Model, Outputs, json_type, task_of
+from service.models.base import CLASSIFICATION, FILL_MASK, Model, Outputs, task_of
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 INPUT_NAME = "input"

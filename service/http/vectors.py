@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from service.errors import ModelError
+from service.errors import ModelError, json_type
 from service.http import v2_codec
-from service.models.base import EMBEDDINGS, GENERIC, Model, json_type, task_of
+from service.models.base import EMBEDDINGS, GENERIC, Model, task_of
 
 
 def as_vectors(model: Model, outputs: Any) -> np.ndarray:

@@ -83,6 +83,7 @@ def item_sizer(model: Model) -> Callable[[Any], int] | None:
 # ``prepare``, so that the model interface keeps one argument and every kind that
 # tokenizes with service.models.hf.Encoder honours it: the request thread sets it
 # around its items' ``prepare`` (``truncating``), and the Encoder reads it there.
+# A route asks ``cuts_on`` first, and refuses a side the model would not honour.
 TRUNCATION_SIDE: ContextVar[str | None] = ContextVar("truncation_side", default=None)
 
 
@@ -96,8 +97,21 @@ def truncating(side: str | None) -> Iterator[None]:
         TRUNCATION_SIDE.reset(token)
 
 
-def token_pieces(model: Model) -> Callable[[Any, bool], list[dict[str, Any]]] | None:
-    """The model's ``token_pieces``: its tokenizer's tokens of a text (service.models.hf.Tokenized)."""
+def cuts_on(model: Model, side: str) -> bool:
+    """Whether ``model`` cuts a text past its limit on ``side`` ("left", "right") when a request asks.
+
+    A kind that tokenizes with service.models.hf.Encoder says (``cuts_on``; a
+    slow tokenizer cuts on its own side only). Any other model tokenizes, if
+    it does, in its own code, which reads no TRUNCATION_SIDE: it is taken to
+    cut on the right, as nearly every tokenizer does, and never on the left.
+    """
+    cuts = getattr(model, "cuts_on", None)
+    return bool(cuts(side)) if callable(cuts) else side == "right"
+
+
+def token_pieces(model: Model) -> Callable[[Any, bool, str], list[dict[str, Any]]] | None:
+    """The model's ``token_pieces(text, add_special_tokens, prompt)``: its tokenizer's tokens of
+    ``prompt + text`` (service.models.hf.Tokenized)."""
     pieces = getattr(model, "token_pieces", None)
     return pieces if callable(pieces) else None
 
@@ -202,15 +216,3 @@ def _numbers(shape: tuple[int, ...], rng: random.Random | None) -> Any:
     if not shape:
         return 0.5 if rng is None else round(rng.uniform(-1, 1), 4)
     return [_numbers(shape[1:], rng) for _ in range(shape[0])]
-
-
-def json_type(value: Any) -> str:
-    """The JSON name of a parsed value's type, for error messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    names: dict[type, str] = {str: "string", list: "array", dict: "object"}
-    return names.get(type(value), type(value).__name__)

@@ -44,7 +44,7 @@ class SequenceClassifierModel(BoundedShapes, Tokenized):
         loaded = AutoModelForSequenceClassification.from_pretrained(str(path), local_files_only=True)
         self._model = in_float32(loaded.eval().to(device), self.name)
         config = self._model.config
-        # In the config's order, as TEI's /info lists them (service.http.tei).
+        # The label of each of the network's outputs, by index (the config's id2label).
         self.labels = [str(config.id2label[i]) for i in range(config.num_labels)]
         self._problem = config.problem_type
         self._max_length = position_limit(self._tokenizer, config)

@@ -8,7 +8,10 @@ the request thread and the batch thread only pads them and runs the modules.
 
 A prompt (config_sentence_transformers.json, service.config.prompt_spec) is
 put before the text before tokenizing, as ``encode(texts, prompt_name=...)``
-does: the one a request names (service.models.prompts), else the default.
+does: the one a request names (service.models.prompts), else the default. A
+text past the limit is cut in its own tokens only, on the side the request
+asks (service.models.hf.Encoder.prompted): cut on the right, that is
+sentence-transformers' cut; cut on the left, the prompt stays in front.
 Where the pooling's config says ``include_prompt: false``, the prompt's tokens
 are left out of the pooling as sentence-transformers leaves them out: the
 prompt's length is counted from the prompt tokenized alone, with its leading
@@ -62,7 +65,7 @@ class SentenceEmbeddingModel(BoundedShapes, Tokenized):
         # The directory's sentence_bert_config.json; without one, the tokenizer's limit.
         self._max_length = self._model.max_seq_length or position_limit(self._tokenizer, None)
         self._encode = Encoder(self._tokenizer, max_length=self._max_length)
-        # The pooling's mode, as TEI's /info names it (service.http.tei): "mean", "cls"...
+        # How the directory pools token embeddings into one: sentence-transformers' mode ("mean", "cls"...).
         self.pooling = _pooling_mode(self._model)
         self._pad_id = self._tokenizer.pad_token_id or 0
         self._default_prompt = self.prompts.default_name if self.prompts is not None else None
@@ -109,7 +112,8 @@ class SentenceEmbeddingModel(BoundedShapes, Tokenized):
         text = check_text(item)
         if name is None or self.prompts is None or not self.prompts.by_name[name]:
             return self._encode(text)  # sentence-transformers applies an empty prompt as none
-        tokens = self._encode(self.prompts.by_name[name] + text)
+        # A text past the limit loses its own tokens, never the prompt's, whichever side is cut.
+        tokens = self._encode.prompted(self.prompts.by_name[name], text)
         length = self._prompt_lengths.get(name, 0)
         return Tokens(tokens.ids, tokens.type_ids, length) if length else tokens
 

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.models.base import MAX_TEXT_CHARS, TRUNCATION_SIDE, json_type
+from service.errors import json_type
+from service.models.base import MAX_TEXT_CHARS, TRUNCATION_SIDE
 from service.models.shapes import ShapeSteps, steps_for
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,48 @@ class Encoder:
         encoding = core.encode(text, pair or None)
         return Tokens(encoding.ids, encoding.type_ids if self._type_ids else None)
 
+    def prompted(self, prompt: str, text: str) -> Tokens:
+        """``prompt + text`` as ``self`` tokenizes it, cut in the text only: the prompt's tokens stay.
+
+        Tokenized as one string, as sentence-transformers tokenizes a prompted
+        text, so that the tokens at the join are the ones it makes (tokenized
+        apart, a SentencePiece or byte-level prompt ending in a space would
+        gain a token there). Cut on the right, that is ``self(prompt + text)``
+        exactly: the prompt comes first, and the cut reaches it only where the
+        prompt alone fills the limit. Cut on the left, the text keeps the last
+        tokens the left cut keeps, after the prompt's tokens as the right cut
+        makes them; the special tokens around them are the tokenizer's. A slow
+        tokenizer (no offsets to find the join by) cuts as ``self`` does.
+        """
+        joined = prompt + text
+        side = TRUNCATION_SIDE.get()
+        core = self._core_for(side)
+        if core is None or (side or self._side) != "left" or self._max_length is None:
+            return self(joined)
+        cut = core.encode(joined)
+        if len(cut.ids) < self._max_length:
+            return self._tokens(cut)  # nothing was cut
+        whole = self._core_for("right").encode(joined)
+        # The prompt's and the text's tokens have sequence id 0; the special tokens around them, None.
+        first, start = whole.sequence_ids.index(0), cut.sequence_ids.index(0)
+        room = cut.sequence_ids.count(0)
+        spans = zip(whole.sequence_ids, whole.offsets, strict=True)
+        kept = sum(1 for seq, (at, _) in spans if seq == 0 and at < len(prompt))
+        if kept >= room:
+            return self._tokens(whole)  # the prompt alone fills the limit: cut as on the right
+        ids = cut.ids[:start] + whole.ids[first : first + kept] + cut.ids[start + kept :]
+        if not self._type_ids:
+            return Tokens(ids)
+        types = cut.type_ids[:start] + whole.type_ids[first : first + kept] + cut.type_ids[start + kept :]
+        return Tokens(ids, types)
+
+    def _tokens(self, encoding: Any) -> Tokens:
+        return Tokens(encoding.ids, encoding.type_ids if self._type_ids else None)
+
+    def cuts_on(self, side: str) -> bool:
+        """Whether texts may be cut on ``side`` ("left", "right"): a slow tokenizer cuts on its own only."""
+        return side == self._side or self._max_length is None or self._core is not None
+
     def _core_for(self, side: str | None) -> Any:
         """The core that cuts on ``side`` (None: the tokenizer's own); ValueError where none can."""
         if side is None or side == self._side or self._max_length is None:
@@ -239,9 +282,11 @@ def _core_copy(tokenizer: Any) -> Any:
 
 
 class Tokenized:
-    """What a tokenizing kind tells of its tokenizer: the longest input it reads, and its tokens of a text.
+    """What a tokenizing kind tells of its tokenizer: the longest input it reads, its tokens of a text,
+    and the sides it may cut a text on.
 
-    For TEI's ``/info`` (``max_input_length``) and ``/tokenize`` (service.http.tei).
+    What the protocols ask of it: TEI's ``/info`` (``max_input_length``),
+    ``/tokenize`` and ``truncation_direction`` (service.http.tei).
     """
 
     _encode: Encoder
@@ -251,9 +296,16 @@ class Tokenized:
     def max_input_length(self) -> int:
         return self._max_length
 
-    def token_pieces(self, text: Any, add_special_tokens: bool = True) -> list[dict[str, Any]]:
-        """``Encoder.pieces`` of a client's text (ValueError for one that is not a string, or too long)."""
-        return self._encode.pieces(check_text(text), add_special_tokens)
+    def token_pieces(
+        self, text: Any, add_special_tokens: bool = True, prompt: str = ""
+    ) -> list[dict[str, Any]]:
+        """``Encoder.pieces`` of a client's text after ``prompt`` (ValueError for a text that is not a
+        string, or too long: the text is checked, not the prompt the service puts before it)."""
+        return self._encode.pieces(prompt + check_text(text), add_special_tokens)
+
+    def cuts_on(self, side: str) -> bool:
+        """Whether a request may ask for texts cut on ``side`` (service.models.base.cuts_on)."""
+        return self._encode.cuts_on(side)
 
 
 class BoundedShapes:

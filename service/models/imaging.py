@@ -35,8 +35,7 @@ from PIL import Image, UnidentifiedImageError
 
 from service.config.budget import Budget
 from service.config.image_spec import ImageSpec
-from service.errors import PayloadTooLarge, ServeError, UnsupportedMediaType
-from service.models.base import json_type
+from service.errors import PayloadTooLarge, ServeError, UnsupportedMediaType, json_type
 
 __all__ = ["DEFAULT_MAX_PIXELS", "IMAGE_TYPES", "ImageError", "ImagePreprocessor", "image_bytes"]
 

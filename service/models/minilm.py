@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.models.base import EMBEDDINGS, MAX_TEXT_CHARS, json_type
+from service.errors import json_type
+from service.models.base import EMBEDDINGS, MAX_TEXT_CHARS
 from service.models.hf import BoundedShapes, Encoder, Tokenized, Tokens, in_float32, to_shape
 from service.models.shapes import ShapeSteps
 
@@ -31,7 +32,7 @@ class MiniLMModel(BoundedShapes, Tokenized):
     task = EMBEDDINGS
     item_kind = "text"
     item_shape: tuple[int, ...] | None = (384,)
-    # sentence-transformers' pooling for this model, as TEI's /info names it.
+    # How it pools token embeddings into one, named as sentence-transformers names the mode.
     pooling = "mean"
 
     def __init__(self, device: str, *, trace: bool = True) -> None:

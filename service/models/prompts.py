@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.config.prompt_spec import Prompts
-from service.errors import BadRequest
-from service.models.base import Model, json_type
+from service.errors import InvalidInput, json_type
+from service.models.base import Model
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +44,9 @@ def with_prompt(model: Model, texts: list[Any], prompt_name: Any) -> list[Any]:
     Each text with the model's prompt ``prompt_name`` applied, or its default
     prompt when None (applied by ``prepare``, so ``texts`` come back as they
     are). A model without prompts: ``texts`` unchanged when ``prompt_name`` is
-    None. A BadRequest names the known prompts (or says the model has none)
-    for an unknown name, and refuses a name that is not a string.
+    None. An InvalidInput (422: the name does not fit the model) names the
+    known prompts (or says the model has none) for an unknown name, and
+    refuses a name that is not a string.
     """
     if prompt_name is None:
         return texts
@@ -68,18 +69,18 @@ def prompt_text(model: Model, prompt_name: Any) -> str:
 
 
 def check_prompt_name(model: Model, prompt_name: Any) -> None:
-    """Refuse (BadRequest) a ``prompt_name`` the model does not have."""
+    """Refuse (InvalidInput) a ``prompt_name`` the model does not have."""
     if not isinstance(prompt_name, str):
-        raise BadRequest(f'"prompt_name" must be a string naming a prompt, got {json_type(prompt_name)}')
+        raise InvalidInput(f'"prompt_name" must be a string naming a prompt, got {json_type(prompt_name)}')
     prompts = prompts_of(model)
     if prompts is None:
-        raise BadRequest(
+        raise InvalidInput(
             f'"prompt_name" {prompt_name[:100]!r}: model {model.name!r} has no prompts (its directory\'s '
             'config_sentence_transformers.json lists none); leave "prompt_name" out'
         )
     if prompt_name not in prompts.by_name:
         known = ", ".join(repr(name) for name in prompts.by_name)
-        raise BadRequest(
+        raise InvalidInput(
             f'"prompt_name" {prompt_name[:100]!r} is not a prompt of model {model.name!r}; '
             f"its prompts: {known}"
         )

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.models.base import RERANK, json_type
+from service.errors import json_type
+from service.models.base import RERANK
 from service.models.hf import (
     BoundedShapes,
     Encoder,
@@ -54,7 +55,7 @@ class CrossEncoderModel(BoundedShapes, Tokenized):
         loaded = AutoModelForSequenceClassification.from_pretrained(str(path), local_files_only=True)
         self._model = in_float32(loaded.eval().to(device), self.name)
         self._max_length = position_limit(self._tokenizer, self._model.config)
-        # Its one label, as TEI's /info lists a reranker's (service.http.tei).
+        # The label of its one output (the config's id2label): what its score is of.
         self.labels = [str(self._model.config.id2label[i]) for i in range(self._model.config.num_labels)]
         self._encode = Encoder(self._tokenizer, max_length=self._max_length)
         self._pad_id = self._tokenizer.pad_token_id or 0

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from service.models.base import json_type
+from service.errors import json_type
 
 # numpy dtype kinds a JSON list can produce that are not numbers.
 _KINDS = {"U": "strings", "b": "booleans"}

@@ -5,7 +5,8 @@ Haystack's TEI embedders and ranker get what sentence-transformers gives run
 directly (SERVE_PRECISION=float32, so that the comparison is of float32 with
 float32). One service serves the four models they need: the default model
 (what a client that names none gets), a cross-encoder (what /rerank picks
-unnamed), a classifier and an embedder with prompts (reached by ``?model=``).
+unnamed), a classifier and an embedder with prompts and a default prompt
+(reached by ``?model=``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ PROMPTS = {"query": "query: ", "passage": "passage: "}
 
 @pytest.fixture(scope="module")
 def prompted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return prompt_dir(tmp_path_factory.mktemp("tei") / "prompted", PROMPTS)
+    # A default prompt, as E5-style directories set one: what a request that names none gets.
+    return prompt_dir(tmp_path_factory.mktemp("tei") / "prompted", PROMPTS, "passage")
 
 
 @pytest.fixture(scope="module")
@@ -147,9 +149,15 @@ def test_a_prompt_chosen_by_name(server: Server, prompted: Path) -> None:
     client = InferenceClient(base_url=server.url + "/?model=prompted")
     query = client.feature_extraction(TEXTS, prompt_name="query")
     assert_same_embeddings(query, reference.encode(TEXTS, prompt_name="query"))
-    assert_same_embeddings(client.feature_extraction(TEXTS), reference.encode(TEXTS))
+    # No name: the directory's default, "passage", as encode gives it; not the texts alone.
+    unnamed = np.asarray(client.feature_extraction(TEXTS), dtype=np.float64)
+    assert_same_embeddings(unnamed, reference.encode(TEXTS, prompt_name="passage"))
+    alone = reference.encode(TEXTS, prompt="")
+    assert ((unnamed * alone).sum(axis=1) < 0.9999).all()
     [tokens] = server.post("/tokenize?model=prompted", json={"inputs": "ok", "prompt_name": "query"}).json()
     assert [t["text"] for t in tokens] == ["[CLS]", "query", ":", "ok", "[SEP]"]
+    [tokens] = server.post("/tokenize?model=prompted", json={"inputs": "ok"}).json()
+    assert [t["text"] for t in tokens] == ["[CLS]", "passage", ":", "ok", "[SEP]"]
 
 
 def test_rerank_gives_cross_encoder_s_order(server: Server, model_dirs: dict[str, Path]) -> None:

@@ -104,6 +104,12 @@ def test_bad_requests_are_400s_in_openais_shape(
     assert fragment in error["message"]
 
 
+@pytest.mark.parametrize("entry", [True, ["a"], [], {"text": "x"}, 1.5])
+def test_only_token_ids_get_langchains_hint(vectors: FlaskClient, entry: Any) -> None:
+    message = error_of(embed(vectors, input=["ok", entry]), 400)["message"]
+    assert message.startswith("input[1]: expected a string") and "check_embedding_ctx_length" not in message
+
+
 def test_a_non_json_body_is_a_400(vectors: FlaskClient) -> None:
     assert (
         "not valid JSON"
@@ -134,7 +140,7 @@ def test_models_that_do_not_embed_text_are_not_served(
     client = make_client(Settings(model=model, mlp_width=16, mlp_depth=1))
     name = client.get("/info").json["model"]["name"]  # type: ignore[index]
     error = error_of(client.post("/v1/embeddings", json={"model": name, "input": "x"}), 404)
-    assert "serves only models that take text and return vectors" in error["message"]
+    assert "another model that takes text and returns vectors" in error["message"]
     # Listed all the same, with its task: /v1/models lists every model the service serves.
     listed = client.get("/v1/models").json["data"]  # type: ignore[index]
     assert [(m["id"], m["task"]) for m in listed] == [(name, "generic")]

@@ -14,13 +14,16 @@ from flask.testing import FlaskClient
 from service.config.model_spec import check_spec
 from service.config.prompt_spec import PROMPTS_FILE, Prompts, read_prompts
 from service.config.settings import Settings
-from service.errors import BadRequest, SettingsError
+from service.errors import InvalidInput, SettingsError
+from service.models.base import truncating
 from service.models.prompts import Prompted, prompt_names, prompt_text, with_prompt
 from tests.support.hf_dirs import prompt_dir
 
 PROMPTS = {"query": "query: ", "document": "passage: ", "empty": ""}
 # A longer prompt, so that a batch mixes prompts of different token counts.
 LONG = "Represent this sentence for searching relevant passages: "
+# Far past the directory's 256 tokens.
+LONG_TEXT = " ".join(f"word{i}" for i in range(400))
 TEXTS = [
     "how do cats sleep",
     "Cats sleep for up to sixteen hours a day, mostly in short naps.",
@@ -122,19 +125,19 @@ def test_a_named_prompt_travels_with_each_text() -> None:
     assert prompt_text(WithPrompts(), "document") == "passage: "
     assert prompt_text(WithPrompts(), None) == "query: "
     assert prompt_text(Plain(), None) == ""
-    with pytest.raises(BadRequest, match="its prompts"):
+    with pytest.raises(InvalidInput, match="its prompts"):
         prompt_text(WithPrompts(), "passage")
 
 
 def test_an_unknown_prompt_name_is_refused_naming_the_known_ones() -> None:
-    with pytest.raises(BadRequest) as refused:
+    with pytest.raises(InvalidInput) as refused:
         with_prompt(WithPrompts(), ["a"], "passage")
     assert str(refused.value) == (
         "\"prompt_name\" 'passage' is not a prompt of model 'e5'; its prompts: 'query', 'document', 'empty'"
     )
-    with pytest.raises(BadRequest, match="model 'plain' has no prompts"):
+    with pytest.raises(InvalidInput, match="model 'plain' has no prompts"):
         with_prompt(Plain(), ["a"], "query")
-    with pytest.raises(BadRequest, match='"prompt_name" must be a string naming a prompt, got number'):
+    with pytest.raises(InvalidInput, match='"prompt_name" must be a string naming a prompt, got number'):
         with_prompt(WithPrompts(), ["a"], 1)
 
 
@@ -188,6 +191,35 @@ def test_the_prompt_counts_its_leading_special_token_and_not_its_trailing_one(tm
     tokens = model.prepare(Prompted("ok", "query"))
     assert tokens.prompt_length == 3 and len(tokens.ids) == 5  # [CLS] query : ok [SEP]
     assert model.prepare("ok").prompt_length == 0  # no default prompt
+
+
+@pytest.mark.parametrize("include_prompt", [True, False])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_long_text_is_cut_in_its_own_tokens_and_keeps_its_prompt(
+    tmp_path: Path, include_prompt: bool, side: str
+) -> None:
+    from service.models.embeddings import SentenceEmbeddingModel
+
+    path = prompt_dir(tmp_path / "e5", PROMPTS, include_prompt=include_prompt)
+    model = SentenceEmbeddingModel(path, "cpu")
+    tokenizer = model._tokenizer
+    prompt = tokenizer(PROMPTS["query"], add_special_tokens=False)["input_ids"]
+    text = tokenizer(LONG_TEXT, add_special_tokens=False)["input_ids"]
+    room = model._max_length - 2 - len(prompt)  # [CLS] and [SEP] take two
+    kept = text[-room:] if side == "left" else text[:room]
+    with truncating(side):
+        tokens = model.prepare(Prompted(LONG_TEXT, "query"))
+    assert tokens.ids == [tokenizer.cls_token_id, *prompt, *kept, tokenizer.sep_token_id]
+    # Left out of the pooling: [CLS] and the prompt, and nothing of the text.
+    assert tokens.prompt_length == (0 if include_prompt else 1 + len(prompt))
+    assert tokens.ids[1 + len(prompt) : -1] == kept
+    if side == "right":  # sentence-transformers' own cut
+        from sentence_transformers import SentenceTransformer
+
+        reference = SentenceTransformer(str(path), device="cpu", local_files_only=True)
+        with truncating(side):
+            got = embed(model, [([LONG_TEXT], "query")], bounded=False)
+        np.testing.assert_allclose(got, reference.encode([LONG_TEXT], prompt_name="query"), atol=1e-5)
 
 
 # -- the routes -----------------------------------------------------------------------------------
@@ -250,3 +282,30 @@ def test_a_prompt_name_for_a_model_without_prompts_is_refused(
     assert "model 'all-MiniLM-L6-v2' has no prompts" in response.get_json()["error"]["message"]
     assert "prompts" not in client.get("/info").get_json()["model"]
     assert "prompts" not in client.get("/v1/models").get_json()["data"][0]
+
+
+def test_tei_routes_apply_the_default_prompt_to_a_request_that_names_none(
+    make_client: Callable[[Settings], FlaskClient], e5_dir: Path
+) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    reference = SentenceTransformer(str(e5_dir), device="cpu", local_files_only=True)
+    client = serve(make_client, str(e5_dir))
+    unnamed = client.post("/embed", json={"inputs": TEXTS})
+    assert unnamed.status_code == 200, unnamed.json
+    np.testing.assert_allclose(unnamed.json, reference.encode(TEXTS, prompt_name="query"), atol=1e-4)
+    # And the default is what made them: the texts with an empty prompt embed otherwise.
+    bare = client.post("/embed", json={"inputs": TEXTS, "prompt_name": "empty"}).json
+    assert not np.allclose(unnamed.json, bare, atol=1e-3)
+    np.testing.assert_allclose(client.post("/", json={"inputs": TEXTS}).json, unnamed.json, atol=1e-6)
+    [tokens] = client.post("/tokenize", json={"inputs": "ok"}).json
+    assert [t["text"] for t in tokens] == ["[CLS]", "query", ":", "ok", "[SEP]"]
+    # The client's text is held to the length limit, not the text with the service's prompt.
+    assert client.post("/tokenize", json={"inputs": "x" * 20_000}).status_code == 200
+    too_long = client.post("/tokenize", json={"inputs": "x" * 20_001})
+    assert too_long.status_code == 422 and "inputs[0]" in too_long.json["error"]
+    # An unknown name: TEI's status and type, naming the prompts.
+    for path in ("/embed", "/tokenize"):
+        refused = client.post(path, json={"inputs": "x", "prompt_name": "passage"})
+        assert (refused.status_code, refused.json["error_type"]) == (422, "Validation")
+        assert "its prompts: 'query', 'document', 'empty'" in refused.json["error"]

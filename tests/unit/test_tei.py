@@ -7,6 +7,8 @@ gunicorn in tests/e2e/test_tei.py; these hold the contract field by field.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,11 +21,26 @@ from hypothesis import strategies as st
 
 from service import create_app
 from service.config.settings import Settings
+from service.errors import (
+    DeadlineExceeded,
+    InvalidInput,
+    ModelError,
+    NotReady,
+    Overloaded,
+    PayloadTooLarge,
+    ServeError,
+    UnsupportedMediaType,
+)
+from service.http.arrival import ARRIVAL_ENVIRON_KEY
+from service.http.payload import prepare_items
+from service.http.tei_codec import Empty, NotServed, error_document
+from service.model_set import UnknownModel
 from service.models.base import truncating
 from service.models.hf import Encoder, load_tokenizer
 from tests.conftest import wait_until_ready
 from tests.support import hostile
 from tests.support.hf_dirs import minilm_path
+from tests.support.models import VectorsModel
 
 VECTORS = Settings(model="tests.support.models:vectors", max_items_per_request=8)
 # What the vectors model returns for a text: its length, its spaces and 1.
@@ -87,8 +104,36 @@ def test_dimensions_cut_and_renormalise(vectors: FlaskClient) -> None:
 
 def test_the_root_embeds_for_an_embedder(vectors: FlaskClient) -> None:
     # huggingface_hub's feature_extraction: the options at the body's top level.
-    response = vectors.post("/", json={"inputs": ["ab"], "normalize": True, "truncation_direction": "left"})
+    response = vectors.post("/", json={"inputs": ["ab"], "normalize": True, "truncation_direction": "right"})
     np.testing.assert_allclose(response.json, [unit(RAW["ab"])], rtol=1e-6)
+
+
+def test_a_model_that_cannot_cut_on_the_left_refuses_to(vectors: FlaskClient, several: FlaskClient) -> None:
+    # The vectors model tokenizes, if at all, in its own code, which no request can ask to cut elsewhere.
+    for path in ("/", "/embed"):
+        body = {"inputs": ["ab"], "truncation_direction": "left"}  # huggingface_hub's lower case
+        message = error_of(vectors.post(path, json=body), 422)
+        assert message.startswith(
+            '"truncation_direction" "Left": model \'vectors\' cannot cut texts on the left'
+        )
+    # A directory's tokenizer can.
+    rerank = several.post("/rerank", json={"query": "q", "texts": ["a"], "truncation_direction": "Left"})
+    assert rerank.status_code == 200, rerank.json
+    classify = several.post("/?model=classify", json={"inputs": "a", "truncation_direction": "Left"})
+    assert classify.status_code == 200, classify.json
+
+
+def test_a_model_of_no_declared_size_is_held_to_the_size_it_returns(
+    make_client: Callable[[Settings], FlaskClient],
+) -> None:
+    echo = make_client(Settings(model="tests.support.models:echo"))  # one number per text, undeclared
+    assert echo.post("/embed", json={"inputs": "abc", "dimensions": 1}).json == [[1.0]]
+    message = error_of(echo.post("/embed", json={"inputs": "abc", "dimensions": 2}), 422)
+    assert message == (
+        '"dimensions" must be a whole number from 1 to 1, the size of the model\'s embeddings, got 2'
+    )
+    openai = echo.post("/v1/embeddings", json={"model": "echo", "input": "abc", "dimensions": 2})
+    assert openai.status_code == 400 and openai.json["error"]["param"] == "dimensions"
 
 
 @pytest.mark.parametrize(
@@ -99,6 +144,7 @@ def test_the_root_embeds_for_an_embedder(vectors: FlaskClient) -> None:
         ({"inputs": 5}, 422, "Validation", "a string or a list of strings"),
         ({"inputs": [1, 2, 3]}, 422, "Validation", "token ids are not supported"),
         ({"inputs": [[101, 2054]]}, 422, "Validation", "token ids are not supported"),
+        ({"inputs": [["a"]]}, 422, "Validation", "inputs[0] must be a string, got array"),
         ({"inputs": ["ok", None]}, 422, "Validation", "inputs[1]"),
         ({"inputs": "x", "normalize": "yes"}, 422, "Validation", '"normalize" must be true or false'),
         ({"inputs": "x", "truncate": 1}, 422, "Validation", '"truncate"'),
@@ -115,6 +161,46 @@ def test_bad_embed_requests_get_tei_errors(
     vectors: FlaskClient, body: dict[str, Any], status: int, error_type: str, fragment: str
 ) -> None:
     assert fragment in error_of(vectors.post("/embed", json=body), status, error_type)
+
+
+@pytest.mark.parametrize("entry", [["a"], True, [True], [], 1.5])
+def test_only_token_ids_are_told_to_send_text(vectors: FlaskClient, entry: Any) -> None:
+    message = error_of(vectors.post("/embed", json={"inputs": ["ok", entry]}), 422)
+    assert message.startswith("inputs[1] must be a string") and "token ids" not in message
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "error_type"),
+    [
+        (InvalidInput, 422, "Validation"),
+        (PayloadTooLarge, 413, "Validation"),
+        (UnsupportedMediaType, 415, "Validation"),
+        (Empty, 400, "Empty"),
+        (NotServed, 404, "Backend"),
+        (ModelError, 500, "Backend"),
+    ],
+)
+def test_an_items_refusal_keeps_its_class_so_its_status_and_tei_type(
+    error: type[ServeError], status: int, error_type: str
+) -> None:
+    class Refusing(VectorsModel):
+        def prepare(self, item: Any) -> str:
+            raise error("not this one")
+
+    # prepare_items names the item in an error of the same class.
+    with pytest.raises(error) as refused:
+        prepare_items(["x"], Refusing(), 8)
+    exc = refused.value
+    document = {"error": "inputs[0]: not this one", "error_type": error_type}
+    assert error_document(exc.status, exc.message, exc) == (status, document)
+
+
+def test_the_services_other_errors_take_tei_types() -> None:
+    assert error_document(503, "m", NotReady("m"))[1]["error_type"] == "Unhealthy"
+    assert error_document(503, "m", Overloaded("m"))[1]["error_type"] == "Overloaded"
+    assert error_document(504, "m", DeadlineExceeded("m"))[1]["error_type"] == "Backend"
+    assert error_document(404, "m", UnknownModel("m", "nope", "served: x"))[1]["error_type"] == "Validation"
+    assert error_document(413, "m", None) == (413, {"error": "m", "error_type": "Validation"})
 
 
 def test_bodies_that_are_not_a_json_object(vectors: FlaskClient) -> None:
@@ -192,8 +278,10 @@ def test_rerank_answers_best_first(several: FlaskClient) -> None:
 )
 def test_bad_rerank_requests(several: FlaskClient, body: dict[str, Any], status: int, fragment: str) -> None:
     response = several.post("/rerank", json=body)
-    if status == 200:
-        assert response.status_code == 200
+    if status == 200:  # one text, bare: ranked as a list of one
+        assert response.status_code == 200, response.json
+        cohere = several.post("/v1/rerank", json={"query": "q", "documents": ["a"]}).json
+        assert response.json == [{"index": 0, "score": cohere["results"][0]["relevance_score"]}]
         return
     assert fragment in error_of(response, status, "Empty" if status == 400 else "Validation")
 
@@ -247,6 +335,23 @@ def test_tokenize_lists_tokens_with_byte_offsets(several: FlaskClient) -> None:
     )
 
 
+def test_tokenize_reads_its_body_and_keeps_its_deadline_as_the_batched_routes_do(
+    make_client: Callable[[Settings], FlaskClient], model_dirs: dict[str, Path]
+) -> None:
+    settings = Settings(model=str(model_dirs["classification"]), torch_threads=1, max_body_bytes=1024)
+    client = make_client(settings)
+    big = {"inputs": ["word " * 300]}
+    assert "SERVE_MAX_BODY_BYTES" in error_of(client.post("/tokenize", json=big), 413)
+    bad = client.post("/tokenize", json={"inputs": "ok"}, headers={"X-Request-Timeout-Ms": "0"})
+    assert "X-Request-Timeout-Ms" in error_of(bad, 400)
+    # Arrived an hour ago (as a worker stamps a request that waited): past its deadline before any text.
+    late = client.post(
+        "/tokenize", json={"inputs": "ok"}, environ_overrides={ARRIVAL_ENVIRON_KEY: time.monotonic() - 3600}
+    )
+    assert "deadline passed after 0 of its 1 texts" in error_of(late, 504, "Backend")
+    assert client.post("/tokenize", json={"inputs": "ok"}).status_code == 200
+
+
 # -- truncation on the side asked for ------------------------------------------------
 
 
@@ -262,6 +367,32 @@ def test_a_request_can_cut_its_texts_on_the_left() -> None:
     assert left[0] == right[0] and left[-1] == right[-1]  # [CLS] ... [SEP] either way
     whole = encoder.pieces(text)
     assert [t["text"] for t in whole][1:-1] == ["one", "two", "three", "four"]
+
+
+def test_each_request_cuts_on_its_own_side_while_another_cuts_on_the_other() -> None:
+    tokenizer = load_tokenizer(minilm_path())
+    text = "one two three four five six seven"
+    expected = {}
+    for side in ("left", "right"):
+        with truncating(side):
+            expected[side] = Encoder(tokenizer, max_length=6)(text).ids
+    assert expected["left"] != expected["right"]
+    # A fresh encoder: both threads also meet at its first cut on the left, which makes that core.
+    encoder = Encoder(tokenizer, max_length=6)
+    start = threading.Barrier(2)
+    got: dict[str, set[tuple[int, ...]]] = {}
+
+    def tokenize(side: str) -> None:
+        with truncating(side):  # this thread's context only
+            start.wait(timeout=30)
+            got[side] = {tuple(encoder(text).ids) for _ in range(2000)}
+
+    threads = [threading.Thread(target=tokenize, args=(side,)) for side in ("left", "right")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert got == {side: {tuple(ids)} for side, ids in expected.items()}
 
 
 # -- hostile bodies -----------------------------------------------------------------
