@@ -17,7 +17,7 @@ from typing import Any
 
 from service.config.image_spec import PREPROCESS_FILE, PROGRAM_FILES, program_file, read_image_spec
 from service.config.precision_spec import AUTO, BFLOAT16, ONEDNN_DEFAULT_CACHE, auto_choice
-from service.config.prompt_spec import read_prompts
+from service.config.prompt_spec import PROMPTS_FILE, Prompts, prompts_from
 from service.errors import SettingsError
 
 BUILTIN = ("minilm", "mlp")
@@ -229,6 +229,12 @@ def num_labels(config: dict[str, Any]) -> int:
 def _supported() -> str:
     kinds = "; ".join(f"{what} for {task}" for task, what in DIRECTORY_TASKS.items())
     return f"this service serves model directories of these kinds: {kinds}"
+
+
+def read_prompts(path: Path) -> Prompts | None:
+    """The prompts a directory's sentence-transformers config lists; None without the file or any prompt."""
+    document = _read_json(path, PROMPTS_FILE)
+    return None if document is None else prompts_from(document, f"SERVE_MODEL={str(path)!r}: {PROMPTS_FILE}")
 
 
 def _read_json(path: Path, name: str) -> dict[str, Any] | None:

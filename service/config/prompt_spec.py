@@ -3,16 +3,14 @@
 Embedders trained with instructions (E5's "query: ", nomic's
 "search_document: ") keep them in that file as ``prompts`` (name to text) and
 ``default_prompt_name``. Free of torch and numpy, like service.config.model_spec,
-which checks them: the gunicorn master refuses a malformed file before it
+which reads and checks them (read_prompts): the gunicorn master refuses a malformed file before it
 forks. service.models.embeddings applies them; service.models.prompts chooses
 one for a request.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from service.errors import SettingsError, json_type
@@ -43,28 +41,13 @@ class Prompts:
         return f"prompts {named}; default prompt {default}"
 
 
-def read_prompts(path: Path) -> Prompts | None:
-    """The prompts a directory's config lists; None without the file or any prompt.
+def prompts_from(document: dict[str, Any], where: str) -> Prompts | None:
+    """The prompts a parsed config lists; None without any prompt. ``where`` begins each error.
 
-    A SettingsError names the file and the key for a config that is not what
+    A SettingsError names the key for a config that is not what
     sentence-transformers saves: ``prompts`` an object of strings, and
     ``default_prompt_name`` null or one of its names.
     """
-    file = path / PROMPTS_FILE
-    if not file.is_file():
-        return None
-    where = f"SERVE_MODEL={str(path)!r}: {PROMPTS_FILE}"
-    try:
-        document = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise SettingsError(f"{where} cannot be read as JSON: {exc}") from None
-    if not isinstance(document, dict):
-        raise SettingsError(f"{where} is not a JSON object")
-    return prompts_from(document, where)
-
-
-def prompts_from(document: dict[str, Any], where: str) -> Prompts | None:
-    """``read_prompts`` on a parsed config; ``where`` begins each error."""
     prompts = document.get("prompts")
     default = document.get("default_prompt_name")
     if prompts is None:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.config.prompt_spec import read_prompts
+from service.config.model_spec import read_prompts
 from service.models.base import EMBEDDINGS
 from service.models.hf import (
     BoundedShapes,

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flask.testing import FlaskClient
 
-from service.config.model_spec import check_spec
-from service.config.prompt_spec import PROMPTS_FILE, Prompts, read_prompts
+from service.config.model_spec import check_spec, read_prompts
+from service.config.prompt_spec import PROMPTS_FILE, Prompts
 from service.config.settings import Settings
 from service.errors import InvalidInput, SettingsError
 from service.models.base import truncating
