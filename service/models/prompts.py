@@ -32,12 +32,6 @@ def prompts_of(model: Model) -> Prompts | None:
     return prompts if isinstance(prompts, Prompts) else None
 
 
-def prompt_names(model: Model) -> dict[str, str] | None:
-    """The model's prompts by name (for /info and /v1/models), None where it has none."""
-    prompts = prompts_of(model)
-    return dict(prompts.by_name) if prompts is not None else None
-
-
 def with_prompt(model: Model, texts: list[Any], prompt_name: Any) -> list[Any]:
     """The items to hand to service.http.payload.prepare_items in place of ``texts``.
 

@@ -16,7 +16,7 @@ from service.config.prompt_spec import PROMPTS_FILE, Prompts
 from service.config.settings import Settings
 from service.errors import InvalidInput, SettingsError
 from service.models.base import truncating
-from service.models.prompts import Prompted, prompt_names, prompt_text, with_prompt
+from service.models.prompts import Prompted, prompt_text, prompts_of, with_prompt
 from tests.support.hf_dirs import prompt_dir
 
 PROMPTS = {"query": "query: ", "document": "passage: ", "empty": ""}
@@ -119,8 +119,9 @@ def test_a_named_prompt_travels_with_each_text() -> None:
     # The default prompt is the model's prepare's to apply: a request naming none sends texts as they are.
     assert with_prompt(WithPrompts(), ["a"], None) == ["a"]
     assert with_prompt(Plain(), ["a"], None) == ["a"]
-    assert prompt_names(WithPrompts()) == PROMPTS
-    assert prompt_names(Plain()) is None
+    with_names = prompts_of(WithPrompts())
+    assert with_names is not None and with_names.by_name == PROMPTS
+    assert prompts_of(Plain()) is None
     # What a route that shows tokens puts before the text.
     assert prompt_text(WithPrompts(), "document") == "passage: "
     assert prompt_text(WithPrompts(), None) == "query: "
