@@ -20,7 +20,7 @@ from service.config.model_spec import check_spec, default_onednn_cache, weights
 from service.config.precision_spec import check_device, cpu_flags
 from service.config.settings import Settings, cuda_visible_devices
 from service.errors import SettingsError
-from service.host import lifecycle, multiproc, preload
+from service.host import allocator, lifecycle, multiproc, preload
 from service.host.balance import Balance, ConnectionShares
 from service.host.slots import SlotTable
 from service.host.worker import BalancedThreadWorker
@@ -108,6 +108,7 @@ connection_shares = ConnectionShares(len(plan.workers) + 8)
 
 
 def on_starting(server):
+    _choose_allocator(server)
     _check_model()
     _log_plan(server)
     _share_metrics(server)
@@ -155,6 +156,26 @@ def child_exit(server, worker):
 
 def on_exit(server):
     multiproc.cleanup()
+
+
+# -- the allocator ------------------------------------------------------------------
+
+
+def _choose_allocator(server):
+    # First of all: executing the master again (to preload jemalloc) is cheap
+    # only before it opens its sockets and builds the model. Only gunicorn's own
+    # arbiter does it; a test driving these hooks with a stand-in never does.
+    if not isinstance(server, Arbiter):
+        return
+    try:
+        decision = allocator.choose(settings.allocator, os.environ)
+    except SettingsError as exc:
+        sys.exit(f"gunicorn_conf.py: {exc}")
+    (server.log.warning if decision.warn else server.log.info)("allocator: %s", decision.reason)
+    if decision.preload is not None:
+        for handler in server.log.error_log.handlers:
+            handler.flush()
+        allocator.execute(decision.preload, os.environ)
 
 
 # -- the model ----------------------------------------------------------------------

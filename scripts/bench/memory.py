@@ -41,6 +41,7 @@ import statistics
 import sys
 import threading
 import time
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,6 +173,8 @@ def main() -> int:
     stop = threading.Event()
     with serve(env, all_workers=True) as service:
         pids = service.workers()
+        with urllib.request.urlopen(f"{service.url}/info", timeout=30) as response:
+            info = json.load(response)
         threads = [
             threading.Thread(target=client, args=(service.port, lines, seed, stop, tally), daemon=True)
             for seed in range(args.clients)
@@ -193,12 +196,17 @@ def main() -> int:
         "clients": args.clients,
         "env": args.env,
         "seconds": round(elapsed),
+        "precision": info["precision"]["in_use"] if info["precision"] else None,
+        "allocator": info["allocator"],
         "statuses": dict(tally.statuses),
         "ok_per_s": round(tally.statuses["200"] / elapsed, 1),
         "samples": rows,
         **verdict(rows, pids, args.seconds),
     }
-    print(f"{args.worker_class}, {args.clients} clients, {result['seconds']} s, env {args.env or 'default'}")
+    print(
+        f"{args.worker_class}, {args.clients} clients, {result['seconds']} s, env {args.env or 'default'}; "
+        f"precision {result['precision']}, allocator {result['allocator']}"
+    )
     print(f"answers: {dict(tally.statuses)}; 200s a second: {result['ok_per_s']}")
     header = [f"worker {i} {what} (MiB)" for i in range(len(pids)) for what in ("RSS", "PSS", "private")]
     header += ["master PSS (MiB)", "service PSS (MiB)"]

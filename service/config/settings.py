@@ -24,6 +24,8 @@ from service.errors import SettingsError
 
 WORKER_CLASSES = ("gthread", "gevent", "sync")
 LOG_FORMATS = ("text", "json")
+# The allocator the workers run on (service.host.allocator).
+ALLOCATORS = ("auto", "jemalloc", "system")
 BATCH_GATHER_POLICIES = ("adaptive", "eager")
 DEVICE_MODES = ("auto", "cpu", "cuda")
 # Pillow's own decompression-bomb threshold (PIL.Image.MAX_IMAGE_PIXELS), written
@@ -277,6 +279,8 @@ class Settings:
     # and the worker's memory with it (docs/memory.md). None: 0,
     # or 1024 for a model of fixed input shapes (service.config.model_spec).
     onednn_cache: int | None = None
+    # auto: jemalloc where the host has it, preloaded by the master (service.host.allocator).
+    allocator: str = "auto"
     devices: str = "auto"
     workers_per_device: int | None = None
     gpu_memory_per_worker_mb: int | None = None
@@ -425,6 +429,7 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "hold_refused": ("SERVE_HOLD_REFUSED", _switch),
     "max_requests": ("SERVE_MAX_REQUESTS", _Integer(0, 1 << 31)),
     "onednn_cache": ("SERVE_ONEDNN_CACHE", _Integer(0, 1 << 20)),
+    "allocator": ("SERVE_ALLOCATOR", _Choice(ALLOCATORS)),
     "devices": ("SERVE_DEVICES", _devices),
     "workers_per_device": ("SERVE_WORKERS_PER_DEVICE", _Integer(1, 256)),
     "gpu_memory_per_worker_mb": ("SERVE_GPU_MEMORY_PER_WORKER_MB", _Integer(1, 16_777_216)),

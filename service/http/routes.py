@@ -13,6 +13,7 @@ from typing import Any
 from flask import Blueprint, Flask, Response, request
 
 from service.errors import Unauthorized
+from service.host import allocator
 from service.http import tei
 from service.http.inference import (
     BATCH_SIZE_HEADER,
@@ -137,6 +138,8 @@ def info() -> Response:
             "precision": first.precision.describe() if first.precision is not None else None,
             # Built once in the gunicorn master and shared by every worker (SERVE_SHARE_WEIGHTS).
             "shared_weights": first.shared_weights,
+            # "jemalloc" or "system": the worker's malloc (SERVE_ALLOCATOR, service.host.allocator).
+            "allocator": allocator.in_use(),
             # Every model served, the default first, with the names clients may pick it by.
             "models": [_describe_model(rt) for rt in models.runtimes],
             "ready": models.readiness() is None,

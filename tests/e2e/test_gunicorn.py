@@ -6,11 +6,13 @@ import signal
 import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
 import requests
 
+from service.host import allocator
 from tests.support.models import SECRET_PATH
 from tests.support.server import Server, gunicorn, gunicorn_exit
 
@@ -49,6 +51,15 @@ def test_probes_and_info(minilm: Server) -> None:
     assert info["model"]["item_kind"] == "text"
     assert info["model"]["item_shape"] == [384]
     assert info["batching"]["max_batch_size"] == 64
+    # The master preloads jemalloc wherever the host has it (service.host.allocator).
+    assert info["allocator"] == ("jemalloc" if allocator.find() else "system")
+
+
+def test_serve_allocator_system_keeps_glibc_s_malloc() -> None:
+    with gunicorn({"SERVE_WORKERS": "1", "SERVE_MODEL": "mlp", "SERVE_ALLOCATOR": "system"}) as server:
+        assert server.get("/info").json()["allocator"] == "system"
+        log = Path(server.log_path).read_text()
+        assert "allocator: system: glibc's malloc (SERVE_ALLOCATOR=system)" in log
 
 
 @pytest.mark.parametrize(
