@@ -114,6 +114,8 @@ def test_image_builds_runs_and_serves_embeddings(container: tuple[str, str]) -> 
     (embedding,) = body["outputs"]
     assert len(embedding) == 384
     assert abs(sum(x * x for x in embedding) - 1) < 1e-3  # L2-normalised
+    # The image has jemalloc, and its master preloaded it for the workers (docs/memory.md).
+    assert requests.get(f"{url}/info", timeout=30).json()["allocator"] == "jemalloc"
     # Its metrics, from the tmpfs directory every worker writes to.
     metrics = Scrape.parse(requests.get(f"{url}/metrics", timeout=30).text)
     assert metrics.total("serve_http_requests_total", code="200", route="/predict") == 1
