@@ -228,6 +228,16 @@ class ModelSet:
             raise UnknownModel(f"unknown model {name[:200]!r}; {served}", name[:200], served)
         return runtime
 
+    def named(self, name: str) -> ModelRuntime | None:
+        """The model ``name`` names, or None (no such name, or not known until every model loads).
+
+        The door's lookup: it never raises, since an unknown name is the route's to refuse (404).
+        """
+        if self.single:
+            return self.default
+        self._index_names()
+        return self._by_name.get(name)
+
     def first_of(self, task: str) -> str | None:
         """The name of the first model serving ``task`` (None: the default is as good as any)."""
         if self.single:

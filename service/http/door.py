@@ -56,33 +56,71 @@ from service.http.arrival import (
     proxy_wait,
     settle_wait,
 )
+from service.http.inference import query_model
+from service.http.shapes import error_document
 from service.telemetry.model_metrics import NO_MODEL
 
 if TYPE_CHECKING:
     from service.model_set import ModelSet
     from service.telemetry.metrics import Metrics
 
-# path -> whether its requests queue in the batcher (and so wait for the work ahead).
-ADMITTED_ROUTES = {"/predict": True, "/predict/batched": True, "/predict/naive": False}
+# The prediction routes, each with whether its requests queue in a batcher (and
+# so wait for the work ahead) and where it names its model: in the body, which
+# the door does not read; in the URL's ?model= (TEI's); or in the path (v2's).
+BODY, QUERY, PATH = "body", "query", "path"
+ADMITTED_ROUTES: dict[str, tuple[bool, str]] = {
+    "/predict": (True, BODY),
+    "/predict/batched": (True, BODY),
+    "/predict/naive": (False, BODY),
+    "/v1/embeddings": (True, BODY),
+    "/v1/rerank": (True, BODY),
+    "/v2/rerank": (True, BODY),
+    "/rerank/batched": (True, BODY),
+    "/rerank/naive": (False, BODY),
+    "/embed": (True, QUERY),
+    "/rerank": (True, QUERY),
+    "/": (True, QUERY),
+}
+
+
+def admitted_route(path: str, query: str | None) -> tuple[bool, str | None] | None:
+    """Whether ``path`` is a prediction route, and if so (queued, the model its URL names).
+
+    None: not a prediction route (probes, metrics, /tokenize), which the door
+    lets through. The model is None where the URL names none (the default, or
+    the one the unread body names).
+    """
+    route = ADMITTED_ROUTES.get(path)
+    if route is not None:
+        queued, named_in = route
+        return queued, query_model({"QUERY_STRING": query}) if named_in == QUERY else None
+    # The Open Inference Protocol's /v2/models/<name>[/versions/<v>]/infer.
+    parts = path.split("/")
+    versioned = len(parts) == 7 and parts[4] == "versions"
+    if (len(parts) == 5 or versioned) and parts[1:3] == ["v2", "models"] and parts[-1] == "infer":
+        return True, parts[3]
+    return None
 
 
 class Door:
     def __init__(self, app: WsgiApp, models: ModelSet, metrics: Metrics) -> None:
         self._app = app
-        # The admission rule is the same for every model; the prediction is a
-        # lone model's. With several, the body says whose a /predict request is,
-        # so the door checks only the wait so far, and the batcher the rest.
+        self._models = models
+        # The admission rule and the wait before the handler are the worker's,
+        # whatever the model; the predicted wait is the model's own. With
+        # several models, a body that names one is unread here, so the door
+        # checks only the wait so far, and that model's batcher the rest.
         self._runtime = runtime = models.default
-        self._single = models.single
         self._metrics = metrics
         self._standing = runtime.admission.standing_queue()
         self._lock = native.allocate_lock()  # guards _standing: every request thread updates it
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
-        queued = ADMITTED_ROUTES.get(path)
-        if queued is None or environ.get("REQUEST_METHOD") != "POST":
+        route = admitted_route(path, environ.get("QUERY_STRING"))
+        if route is None or environ.get("REQUEST_METHOD") != "POST":
             return self._app(environ, start_response)
+        queued, name = route
         now = time.monotonic()
         waited = settle_wait(
             environ.get(ARRIVAL_ENVIRON_KEY),
@@ -91,11 +129,16 @@ class Door:
         )
         environ[ARRIVAL_ENVIRON_KEY] = now - waited
         self._metrics.observe_wait(waited)
-        settings = self._runtime.settings
+        runtime = self._models.named(name) if name is not None else None
+        if runtime is None and self._models.single:
+            runtime = self._runtime
+        if runtime is None and name is not None:
+            return self._app(environ, start_response)  # no such model: the route's 404
+        settings = (runtime or self._runtime).settings
         length = _content_length(environ)
         if length is not None and length > settings.max_body_bytes:
             return self._app(environ, start_response)  # the route refuses it unread: 413, not 503
-        batcher = self._runtime.batcher if queued and self._single else None
+        batcher = runtime.batcher if queued and runtime is not None else None
         # Weighed by its items before they are read: the body's length at the
         # bytes per item of recent requests, no more than a request may hold
         # (the batcher checks the exact count).
@@ -116,7 +159,8 @@ class Door:
         if not returning:
             with self._lock:
                 standing = self._standing.standing(waited, now)
-        refusal = self._runtime.admission.decide(
+        admission = (runtime or self._runtime).admission
+        refusal = admission.decide(
             waited,
             predicted,
             deadline_s=deadline_s,
@@ -130,13 +174,16 @@ class Door:
             # Demand unmet, for the pace (Gate.admit says which counts).
             follow_up = environ.get(FOLLOW_UP_ENVIRON_KEY, True)
             batcher.gate.refused(items, waited if follow_up else None, environ.get(WAITING_ENVIRON_KEY))
-        # A lone model's refusals are its own; with several, the body naming one is still unread.
-        model = (self._runtime.served_name if self._single else None) or NO_MODEL
+        # Counted under the model the URL names (or the lone one); one the unread body names is unknown.
+        model = (runtime.served_name if runtime is not None else None) or NO_MODEL
         environ[MODEL_ENVIRON_KEY] = model
-        self._metrics.count_error(Overloaded(refusal.message, reason="over_budget"), model)
-        body = orjson.dumps({"error": refusal.message})
+        exc = Overloaded(refusal.message, reason="over_budget", retry_after_s=refusal.retry_after_s)
+        self._metrics.count_error(exc, model)
+        # In the route's own error shape: OpenAI's, Cohere's, TEI's or the service's.
+        status, document = error_document(path, 503, refusal.message, exc)
+        body = orjson.dumps(document)
         start_response(
-            "503 Service Unavailable",
+            f"{status} Service Unavailable",
             [
                 ("Content-Type", "application/json"),
                 ("Content-Length", str(len(body))),
@@ -145,12 +192,19 @@ class Door:
             ],
         )
         # Counted with the other answers, so 503s add up in serve_http_requests_total.
-        self._metrics.observe_request(path, 503, time.monotonic() - now, model)
-        if self._runtime.settings.hold_refused:
-            ask_to_hold(environ, refusal.retry_after_s, self._runtime.admission.budget_s)
+        self._metrics.observe_request(_route_label(path), 503, time.monotonic() - now, model)
+        if settings.hold_refused:
+            ask_to_hold(environ, refusal.retry_after_s, admission.budget_s)
         # The body, unread, is read after the answer is out (service.http.linger), so
         # that the connection can carry the client's next request.
         return [body]
+
+
+def _route_label(path: str) -> str:
+    """The route as the request metrics name it: Flask's rule, not a path with a model's name in it."""
+    if path in ADMITTED_ROUTES:
+        return path
+    return "/v2/models/<name>/infer" if path.count("/") == 4 else "/v2/models/<name>/versions/<version>/infer"
 
 
 def _content_length(environ: dict[str, Any]) -> int | None:

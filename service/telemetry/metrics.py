@@ -56,7 +56,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from service.batching.observer import BatchObserver
 from service.config.settings import Settings
-from service.errors import DeadlineExceeded, Overloaded, ServeError, SettingsError
+from service.errors import ClientClosed, DeadlineExceeded, Overloaded, ServeError, SettingsError
 from service.telemetry.model_metrics import NO_MODEL, ModelMetrics
 from service.telemetry.tally import Tally
 
@@ -183,6 +183,12 @@ class Metrics(BatchObserver):
         self.timed_out = _counter(
             r, "serve_timed_out_requests_total", "Requests whose deadline passed (504).", "model", "reason"
         )
+        self.abandoned = _counter(
+            r,
+            "serve_abandoned_requests_total",
+            "Requests whose client closed the connection while they waited (499): never computed.",
+            "model",
+        )
         # Per worker: 'liveall' keeps one series per live process and adds its pid label.
         self.model_load = _gauge(
             r,
@@ -281,6 +287,7 @@ class Metrics(BatchObserver):
         # Looked up once: labels() takes the metric's lock on every call.
         self._request_series: dict[tuple[str, int, str], tuple[Any, Any]] = {}
         self._shed_series: dict[tuple[Counter, str, str], Any] = {}
+        self._abandoned_series: dict[str, Any] = {}
         # Refusals before a request's model is known (the door's) count under no model.
         self.open_shedding(NO_MODEL)
         # Request threads' and batch threads' updates, written a batch at a time (service.telemetry.tally).
@@ -326,6 +333,9 @@ class Metrics(BatchObserver):
 
     def count_error(self, exc: ServeError, model: str = NO_MODEL) -> None:
         """Count a shed request by its reason and model; called once per request, where it is answered."""
+        if isinstance(exc, ClientClosed):
+            self._count_abandoned(model)
+            return
         if isinstance(exc, DeadlineExceeded):
             metric = self.timed_out
         elif isinstance(exc, Overloaded):
@@ -339,11 +349,19 @@ class Metrics(BatchObserver):
         self.tally.inc(series)
         self.tally.settle()
 
+    def _count_abandoned(self, model: str) -> None:
+        series = self._abandoned_series.get(model)
+        if series is None:
+            series = self._abandoned_series[model] = self.abandoned.labels(model)
+        self.tally.inc(series)
+        self.tally.settle()
+
     def open_shedding(self, model: str) -> None:
         """Create ``model``'s shedding series at zero, so that rate() over them works before the first."""
         for metric, reasons in ((self.rejected, REJECTION_REASONS), (self.timed_out, TIMEOUT_REASONS)):
             for reason in reasons:
                 self._shed_series[(metric, reason, model)] = metric.labels(model, reason)
+        self._abandoned_series[model] = self.abandoned.labels(model)
 
     # -- per served model (BatchObserver) -----------------------------------------
 

@@ -20,6 +20,7 @@ import pytest
 import requests
 
 from scripts.common.procs import rss_bytes
+from tests.support.metrics import Scrape
 from tests.support.procs import established_connections
 from tests.support.server import Server, gunicorn
 
@@ -163,8 +164,11 @@ def test_a_request_whose_client_hung_up_is_never_computed(one_slot: Server) -> N
     eventually(lambda: queue_depth(one_slot) == 0, "the queue is empty")
     assert batched(one_slot, "after").json()["outputs"] == [[5.0]]
     assert ask(one_slot, "seen:abandoned") == 0.0
-    metrics = requests.get(one_slot.url + "/metrics", timeout=CLIENT_TIMEOUT).text
-    assert 'code="499"' in metrics
+    metrics = Scrape.parse(requests.get(one_slot.url + "/metrics", timeout=CLIENT_TIMEOUT).text)
+    assert metrics.total("serve_http_requests_total", code="499", route="/predict/batched") == 1
+    # A series of their own, by model; the 503s' series keeps its meaning.
+    assert metrics.total("serve_abandoned_requests_total") == 1
+    assert metrics.total("serve_rejected_requests_total") == 0
 
 
 def test_a_burst_of_timeouts_leaves_nothing_behind() -> None:

@@ -134,3 +134,57 @@ def test_with_holds_off_a_refused_connection_is_read_again_at_once(
     )
     assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
     assert HOLD_ENVIRON_KEY not in environs[-1]
+
+
+STALE_ROUTES = {
+    # route: its error shape (a check on the body)
+    "/v1/embeddings": lambda body: "past" in body["error"]["message"],
+    "/v1/rerank": lambda body: set(body) == {"message"},
+    "/v2/rerank": lambda body: set(body) == {"message"},
+    "/rerank/batched": lambda body: set(body) == {"error"},
+    "/rerank/naive": lambda body: set(body) == {"error"},
+    "/embed": lambda body: body["error_type"] == "Overloaded",
+    "/rerank": lambda body: body["error_type"] == "Overloaded",
+    "/": lambda body: body["error_type"] == "Overloaded",
+    "/v2/models/mlp/infer": lambda body: set(body) == {"error"},
+    "/v2/models/mlp/versions/1/infer": lambda body: set(body) == {"error"},
+}
+
+
+def test_every_prediction_route_refuses_at_the_door_in_its_own_error_shape(
+    make_client: Callable[[Settings], FlaskClient],
+) -> None:
+    # Refused before the body is read, so the body (and whether this model serves the
+    # route at all) does not matter: the wait alone refuses it.
+    client = make_client(SMALL_MLP.replace(latency_budget_ms=1000, request_timeout_ms=1000))
+    stale = {"X-Request-Start": f"t={time.time() - 2:.3f}"}
+    for path, shaped in STALE_ROUTES.items():
+        response = client.post(path, data=b"{not read", headers={**stale, "Content-Type": "application/json"})
+        assert response.status_code == 503, (path, response.text)
+        assert response.headers["Retry-After"] == "1", path
+        assert shaped(response.json), (path, response.json)
+    assert client.post("/tokenize", json={"inputs": "x"}, headers=stale).status_code != 503  # no model call
+    metrics = Scrape.parse(client.get("/metrics").text)
+    assert metrics.total("serve_rejected_requests_total", reason="over_budget") == len(STALE_ROUTES)
+    # Counted under Flask's rule, not under a path with the model's name in it.
+    assert metrics.total("serve_http_requests_total", code="503", route="/v2/models/<name>/infer") == 1
+    assert metrics.total("serve_http_requests_total", code="503", route="/v2/models/mlp/infer") == 0
+
+
+def test_with_several_models_the_door_refuses_for_the_model_the_url_names(
+    make_client: Callable[[Settings], FlaskClient],
+) -> None:
+    two = SMALL_MLP.replace(model="a=mlp,b=mlp", latency_budget_ms=1000, request_timeout_ms=1000)
+    client = make_client(two)
+    stale = {"X-Request-Start": f"t={time.time() - 2:.3f}", "Content-Type": "application/json"}
+    assert client.post("/v2/models/b/infer", data=b"{", headers=stale).status_code == 503
+    assert client.post("/embed?model=b", data=b"{", headers=stale).status_code == 503
+    # A body that names its model is unread: refused by the wait alone, under no model.
+    assert client.post("/predict", data=b"{", headers=stale).status_code == 503
+    # A name the service does not serve is the route's to answer: 404, naming those it serves.
+    unknown = client.post("/v2/models/zzz/infer", data=b"{", headers=stale)
+    assert unknown.status_code == 404, unknown.text
+    metrics = Scrape.parse(client.get("/metrics").text)
+    assert metrics.total("serve_rejected_requests_total", reason="over_budget", model="b") == 2
+    assert metrics.total("serve_rejected_requests_total", reason="over_budget", model="a") == 0
+    assert metrics.total("serve_rejected_requests_total", reason="over_budget") == 3
