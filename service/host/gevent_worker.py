@@ -27,7 +27,7 @@ from gevent.local import local
 from gevent.socket import wait_read
 from gunicorn.workers.ggevent import GeventWorker as _GeventWorker
 
-from service.host.hold import HeldConnections, may_hold, peek
+from service.host.hold import HeldConnections, peek
 from service.host.worker import InTransit, StampedApp, room_test, take_refused_digest
 from service.http.arrival import HELD_OUT, LET_IN
 
@@ -71,7 +71,7 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
             # An answer is out: the batcher may have room for a held client, whose
             # request should reach it before the resend of the client just answered.
             self._lot.poke()
-        if requests.hold_s > 0 and self.alive and may_hold(self._lot.holding, self.worker_connections):
+        if requests.hold_s > 0 and self.alive:
             # A client refused again keeps its place: first come, first let in.
             requests.first_held = getattr(requests, "first_held", None) or time.monotonic()
             arrived, early = self._lot.wait_out(sock, requests.hold_s, requests.first_held)
@@ -103,8 +103,6 @@ class Lot:
         self._worker = worker
         self._held: HeldConnections[tuple[Event, float]] = HeldConnections()
         self.in_transit = InTransit()
-        # Greenlets waiting out a hold for their client's next request (may_hold caps them).
-        self.holding = 0
 
     def poke(self) -> None:
         """An answer is out: let in what the room it made fits."""
@@ -117,13 +115,6 @@ class Lot:
         When its client's next request arrived (None: it sent none meanwhile),
         and whether it was let in before its hold ended.
         """
-        self.holding += 1
-        try:
-            return self._wait_out(sock, seconds, first)
-        finally:
-            self.holding -= 1
-
-    def _wait_out(self, sock: Any, seconds: float, first: float) -> tuple[float | None, bool]:
         began = time.monotonic()
         try:
             wait_read(sock.fileno(), timeout=seconds)

@@ -52,24 +52,6 @@ from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
-# The share of a worker's connections that held ones may take. A held
-# connection stays open and counts against the worker's limit
-# (worker_connections), and past that limit the worker stops accepting: new
-# connections then wait in the kernel's listen backlog, where no stamp sees
-# them, and the door takes requests that waited seconds there for fresh ones.
-# Open-loop clients on kept-alive connections at five times capacity (a
-# thousand refusals a second or more, each held a second or two) filled the
-# limit that way: accepted p99 31 s, and connections reset once the backlog was
-# full too. Past this share a refused connection is not held, and goes back to
-# reading its next request at once; the refusal stays as cheap, and what waits
-# is seen.
-HOLD_SHARE = 0.5
-
-
-def may_hold(held: int, worker_connections: int) -> bool:
-    """Whether one more refused connection may be held, with ``held`` held of ``worker_connections``."""
-    return held < HOLD_SHARE * worker_connections
-
 
 class HeldConnections(Generic[T]):
     """Connections (or anything) parked until a time, or let in earlier. Pure: the caller passes the time.

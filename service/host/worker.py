@@ -40,7 +40,7 @@ from gunicorn.workers.gthread import ThreadWorker
 
 from service.batching.admission import predict_wait
 from service.host.balance import Balance
-from service.host.hold import HeldConnections, may_hold, peek
+from service.host.hold import HeldConnections, peek
 from service.host.lifecycle import runtime_of
 from service.host.one_write import one_write
 from service.http.arrival import (
@@ -134,12 +134,7 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         hold_s = getattr(conn, "serve_hold_s", 0.0)
         conn.serve_hold_s = 0.0
         kept_alive = not fs.cancelled() and fs.exception() is None and fs.result() is True
-        if (
-            hold_s > 0
-            and self.alive
-            and kept_alive
-            and may_hold(len(self._held), self._configured_connections)
-        ):
+        if hold_s > 0 and self.alive and kept_alive:
             now = time.monotonic()
             # A client refused again keeps its place: first come, first let in.
             conn.serve_first_held = getattr(conn, "serve_first_held", None) or now
