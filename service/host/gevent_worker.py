@@ -28,7 +28,7 @@ from gevent.socket import wait_read
 from gunicorn.workers.ggevent import GeventWorker as _GeventWorker
 
 from service.host.hold import HeldConnections, peek
-from service.host.worker import InTransit, StampedApp, room_test, take_refused_digest
+from service.host.worker import InTransit, StampedApp, kernel_arrival, room_test, take_refused_digest
 from service.http.arrival import HELD_OUT, LET_IN
 
 
@@ -55,7 +55,7 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
 
     def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> None:
         requests = self._requests
-        requests.at, requests.next_at = getattr(requests, "next_at", None), None
+        requests.at, requests.next_at = kernel_arrival(getattr(requests, "next_at", None), sock), None
         requests.follow_up = getattr(req, "req_number", 1) > 1
         if getattr(requests, "in_transit", False):
             requests.in_transit = False

@@ -43,6 +43,7 @@ from service.host.balance import Balance
 from service.host.hold import HeldConnections, peek
 from service.host.lifecycle import runtime_of
 from service.host.one_write import one_write
+from service.host.tcp_info import since_last_data
 from service.http.arrival import (
     ARRIVAL_ENVIRON_KEY,
     FOLLOW_UP_ENVIRON_KEY,
@@ -114,7 +115,7 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         if getattr(conn, "serve_in_transit", False):
             conn.serve_in_transit = False
             self._in_transit.landed()
-        self._arrivals.at = getattr(conn, "serve_arrived", None)
+        self._arrivals.at = kernel_arrival(getattr(conn, "serve_arrived", None), conn.sock)
         self._arrivals.follow_up = getattr(conn, "serve_requests", 1) > 1
         self._arrivals.returning, conn.serve_returning = getattr(conn, "serve_returning", None), None
         # What the request refused before this one on the connection was, to tell a resend.
@@ -335,3 +336,16 @@ class StampedApp:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._app, name)
+
+
+def kernel_arrival(stamp: float | None, sock: Any) -> float | None:
+    """The earlier of the worker's ``stamp`` and when the kernel received the request's last bytes.
+
+    A request that waited in the accept queue, or readable while the event loop
+    was behind, arrived before the worker stamped it (service.host.tcp_info).
+    """
+    since = since_last_data(sock)
+    if since is None:
+        return stamp
+    arrived = time.monotonic() - since
+    return arrived if stamp is None else min(stamp, arrived)

@@ -4,8 +4,10 @@ The latency budget counts from a request's arrival, not from when its handler
 began: under overload most of the wait is before the handler (nginx, the
 kernel's accept backlog, gthread's queue of connections waiting for a thread).
 The gthread worker (service.host.worker) stamps when it accepted the connection
-or saw it readable again; behind nginx, ``X-Request-Start: t=<unix seconds>``
-(deploy/nginx.conf) also covers the time in nginx and the backlog.
+or saw it readable again, and both worker classes take the kernel's word when
+the request's bytes arrived earlier (service.host.tcp_info: the accept queue, a
+poller behind); behind nginx, ``X-Request-Start: t=<unix seconds>``
+(deploy/nginx.conf) also covers the time in nginx.
 
 It also holds the keys by which the service asks the worker to hold a refused
 client's connection, and the worker marks the request it reads after a hold

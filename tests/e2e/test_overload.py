@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
+import signal
 import socket
 import statistics
 import threading
@@ -310,3 +312,34 @@ def test_a_request_too_large_for_its_deadline_gets_413_after_its_first_call_not_
         answered = requests.post(server.url + "/predict/batched", data=body, headers=plain, timeout=30)
         assert answered.status_code == 200, answered.text
         assert len(answered.json()["outputs"]) == 64
+
+
+@pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
+def test_a_request_that_waited_in_the_accept_queue_counts_that_wait(worker_class: str) -> None:
+    # The worker is stopped, so the connection waits unaccepted in the listen socket's
+    # queue, where no stamp of the worker's sees it; the kernel says when its bytes
+    # arrived (service.host.tcp_info). Past its 500 ms deadline by then, it is refused
+    # at the door as soon as the worker reads it, not served late.
+    env = {**OVERLOAD, "SERVE_WORKER_CLASS": worker_class}
+    env.update(SERVE_REQUEST_TIMEOUT_MS="500", SERVE_LATENCY_BUDGET_MS="500")
+    with gunicorn(env) as server:
+        assert server.post("/predict/batched", json={"inputs": [0.1]}).status_code == 200
+        [worker] = server.workers()
+        request = (
+            b"POST /predict/batched HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY
+        )
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+            sock.sendall(request)
+            time.sleep(1.0)
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        with sock:
+            head, body = read_response(sock)
+        assert head.startswith(b"HTTP/1.1 503 "), head + body
+        assert b"\r\nRetry-After: 1\r\n" in head
+        assert "past the 500 ms it may wait" in json.loads(body)["error"]
+        # A request sent now is fresh: served.
+        assert server.post("/predict/batched", json={"inputs": [0.1]}).status_code == 200
