@@ -233,8 +233,6 @@ class ModelSet:
 
         The door's lookup: it never raises, since an unknown name is the route's to refuse (404).
         """
-        if self.single:
-            return self.default
         self._index_names()
         return self._by_name.get(name)
 

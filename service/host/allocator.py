@@ -17,6 +17,7 @@ inherit it through ``fork``. ``decide`` is the pure rule; ``execute`` acts on it
 from __future__ import annotations
 
 import ctypes.util
+import functools
 import os
 import sys
 from collections.abc import Mapping
@@ -82,8 +83,9 @@ def loaded(maps: str = "/proc/self/maps") -> str | None:
     return None
 
 
+@functools.cache
 def in_use() -> str:
-    """ "jemalloc" or "system": what /info reports for this worker."""
+    """ "jemalloc" or "system": what /info reports for this worker (read once: it cannot change)."""
     return _NAME if loaded() is not None else "system"
 
 
@@ -94,8 +96,10 @@ def find() -> str | None:
 
 def choose(setting: str, environ: Mapping[str, str]) -> Decision:
     """``decide`` for this process, from its memory map, the host and its environment."""
-    found = find() if setting != "system" else None
-    return decide(setting, loaded(), found, environ.get("LD_PRELOAD", ""))
+    mapped = loaded()
+    # find() runs the loader's cache lookup (ldconfig): only where it can change the decision.
+    found = find() if mapped is None and setting != "system" else None
+    return decide(setting, mapped, found, environ.get("LD_PRELOAD", ""))
 
 
 def execute(library: str, environ: Mapping[str, str]) -> None:

@@ -62,43 +62,49 @@ from service.telemetry.model_metrics import NO_MODEL
 
 if TYPE_CHECKING:
     from service.model_set import ModelSet
+    from service.runtime import ModelRuntime
     from service.telemetry.metrics import Metrics
 
 # The prediction routes, each with whether its requests queue in a batcher (and
-# so wait for the work ahead) and where it names its model: in the body, which
-# the door does not read; in the URL's ?model= (TEI's); or in the path (v2's).
-BODY, QUERY, PATH = "body", "query", "path"
-ADMITTED_ROUTES: dict[str, tuple[bool, str]] = {
-    "/predict": (True, BODY),
-    "/predict/batched": (True, BODY),
-    "/predict/naive": (False, BODY),
-    "/v1/embeddings": (True, BODY),
-    "/v1/rerank": (True, BODY),
-    "/v2/rerank": (True, BODY),
-    "/rerank/batched": (True, BODY),
-    "/rerank/naive": (False, BODY),
-    "/embed": (True, QUERY),
-    "/rerank": (True, QUERY),
-    "/": (True, QUERY),
+# so wait for the work ahead) and whether the URL's ?model= names their model
+# (TEI's); the others name it in the body, which the door does not read. v2's
+# name it in the path (admitted_route).
+ADMITTED_ROUTES: dict[str, tuple[bool, bool]] = {
+    "/predict": (True, False),
+    "/predict/batched": (True, False),
+    "/predict/naive": (False, False),
+    "/v1/embeddings": (True, False),
+    "/v1/rerank": (True, False),
+    "/v2/rerank": (True, False),
+    "/rerank/batched": (True, False),
+    "/rerank/naive": (False, False),
+    "/embed": (True, True),
+    "/rerank": (True, True),
+    "/": (True, True),
 }
 
 
-def admitted_route(path: str, query: str | None) -> tuple[bool, str | None] | None:
-    """Whether ``path`` is a prediction route, and if so (queued, the model its URL names).
+def admitted_route(environ: dict[str, Any]) -> tuple[bool, str | None, str] | None:
+    """Whether the request is for a prediction route: (queued, the model its URL names, the route's rule).
 
     None: not a prediction route (probes, metrics, /tokenize), which the door
     lets through. The model is None where the URL names none (the default, or
-    the one the unread body names).
+    the one the unread body names). The rule is Flask's, as the request metrics
+    name the route: never a path with a model's name in it.
     """
+    path = environ.get("PATH_INFO", "")
     route = ADMITTED_ROUTES.get(path)
     if route is not None:
-        queued, named_in = route
-        return queued, query_model({"QUERY_STRING": query}) if named_in == QUERY else None
+        queued, in_query = route
+        return queued, query_model(environ) if in_query else None, path
     # The Open Inference Protocol's /v2/models/<name>[/versions/<v>]/infer.
     parts = path.split("/")
-    versioned = len(parts) == 7 and parts[4] == "versions"
-    if (len(parts) == 5 or versioned) and parts[1:3] == ["v2", "models"] and parts[-1] == "infer":
-        return True, parts[3]
+    if parts[1:3] != ["v2", "models"] or parts[-1] != "infer":
+        return None
+    if len(parts) == 5:
+        return True, parts[3], "/v2/models/<name>/infer"
+    if len(parts) == 7 and parts[4] == "versions":
+        return True, parts[3], "/v2/models/<name>/versions/<version>/infer"
     return None
 
 
@@ -116,11 +122,10 @@ class Door:
         self._lock = native.allocate_lock()  # guards _standing: every request thread updates it
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        path = environ.get("PATH_INFO", "")
-        route = admitted_route(path, environ.get("QUERY_STRING"))
+        route = admitted_route(environ)
         if route is None or environ.get("REQUEST_METHOD") != "POST":
             return self._app(environ, start_response)
-        queued, name = route
+        queued, name, rule = route
         now = time.monotonic()
         waited = settle_wait(
             environ.get(ARRIVAL_ENVIRON_KEY),
@@ -129,11 +134,15 @@ class Door:
         )
         environ[ARRIVAL_ENVIRON_KEY] = now - waited
         self._metrics.observe_wait(waited)
-        runtime = self._models.named(name) if name is not None else None
-        if runtime is None and self._models.single:
+        # The model whose queue the request joins: a lone model, or the one the URL
+        # names; one the body names is not known here.
+        runtime: ModelRuntime | None = None
+        if self._models.single:
             runtime = self._runtime
-        if runtime is None and name is not None:
-            return self._app(environ, start_response)  # no such model: the route's 404
+        elif name is not None:
+            runtime = self._models.named(name)
+            if runtime is None:
+                return self._app(environ, start_response)  # no such model: the route's 404
         settings = (runtime or self._runtime).settings
         length = _content_length(environ)
         if length is not None and length > settings.max_body_bytes:
@@ -180,7 +189,7 @@ class Door:
         exc = Overloaded(refusal.message, reason="over_budget", retry_after_s=refusal.retry_after_s)
         self._metrics.count_error(exc, model)
         # In the route's own error shape: OpenAI's, Cohere's, TEI's or the service's.
-        status, document = error_document(path, 503, refusal.message, exc)
+        status, document = error_document(environ.get("PATH_INFO", ""), 503, refusal.message, exc)
         body = orjson.dumps(document)
         start_response(
             f"{status} Service Unavailable",
@@ -192,19 +201,12 @@ class Door:
             ],
         )
         # Counted with the other answers, so 503s add up in serve_http_requests_total.
-        self._metrics.observe_request(_route_label(path), 503, time.monotonic() - now, model)
+        self._metrics.observe_request(rule, 503, time.monotonic() - now, model)
         if settings.hold_refused:
             ask_to_hold(environ, refusal.retry_after_s, admission.budget_s)
         # The body, unread, is read after the answer is out (service.http.linger), so
         # that the connection can carry the client's next request.
         return [body]
-
-
-def _route_label(path: str) -> str:
-    """The route as the request metrics name it: Flask's rule, not a path with a model's name in it."""
-    if path in ADMITTED_ROUTES:
-        return path
-    return "/v2/models/<name>/infer" if path.count("/") == 4 else "/v2/models/<name>/versions/<version>/infer"
 
 
 def _content_length(environ: dict[str, Any]) -> int | None:
