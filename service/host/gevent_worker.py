@@ -28,7 +28,7 @@ from gevent.socket import wait_read
 from gunicorn.workers.ggevent import GeventWorker as _GeventWorker
 
 from service.host.hold import HeldConnections, peek
-from service.host.worker import InTransit, StampedApp, kernel_arrival, room_test, settle_refusal
+from service.host.worker import InTransit, StampedApp, kernel_arrival, room_test, take_refused_digest
 from service.http.arrival import HELD_OUT, LET_IN
 
 
@@ -60,24 +60,26 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
         if getattr(requests, "in_transit", False):
             requests.in_transit = False
             self._lot.in_transit.landed()
+        requests.hold_s = 0.0
         try:
             super().handle_request(listener_name, req, sock, addr)  # raises to close the connection
         finally:
             requests.at = None
             requests.returning = None
-            # To tell whether the connection's next request is the refused one again, held or not.
-            hold_s, requests.held_digest = settle_refusal(requests)
+            requests.held_digest = None
+            refused_digest = take_refused_digest(requests)
             # An answer is out: the batcher may have room for a held client, whose
             # request should reach it before the resend of the client just answered.
             self._lot.poke()
-        if hold_s > 0 and self.alive:
+        if requests.hold_s > 0 and self.alive:
             # A client refused again keeps its place: first come, first let in.
             requests.first_held = getattr(requests, "first_held", None) or time.monotonic()
-            arrived, early = self._lot.wait_out(sock, hold_s, requests.first_held)
+            arrived, early = self._lot.wait_out(sock, requests.hold_s, requests.first_held)
             if arrived is not None:
                 requests.next_at = arrived  # its resend arrived then
                 requests.in_transit = True
             requests.returning = LET_IN if early else HELD_OUT  # for the request it reads next
+            requests.held_digest = refused_digest  # to tell whether that request is a resend
         else:
             requests.first_held = None
 

@@ -49,10 +49,10 @@ from service.http.arrival import (
     FOLLOW_UP_ENVIRON_KEY,
     HANDLER_ENVIRON_KEY,
     HELD_OUT,
+    HOLD_ENVIRON_KEY,
     LET_IN,
     RETURNING_ENVIRON_KEY,
     WAITING_ENVIRON_KEY,
-    hold_after,
 )
 from service.http.resend import HELD_DIGEST_ENVIRON_KEY, REFUSED_DIGEST_ENVIRON_KEY
 
@@ -120,12 +120,14 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         self._arrivals.returning, conn.serve_returning = getattr(conn, "serve_returning", None), None
         # What the request refused before this one on the connection was, to tell a resend.
         self._arrivals.held_digest = getattr(conn, "serve_refused_digest", None)
+        self._arrivals.hold_s = 0.0
         try:
             return super().handle(conn)
         finally:
             self._arrivals.at = None
             self._arrivals.returning = None
-            conn.serve_hold_s, conn.serve_refused_digest = settle_refusal(self._arrivals)
+            conn.serve_hold_s = self._arrivals.hold_s
+            conn.serve_refused_digest = take_refused_digest(self._arrivals)
 
     def finish_request(self, conn: Any, fs: Future[Any]) -> None:
         # In the event loop. Only a kept-alive connection (the result True) is held:
@@ -288,19 +290,17 @@ def room_test(
     return fits
 
 
-def settle_refusal(arrivals: Any) -> tuple[float, bytes | None]:
-    """Once a request's answer is closed: its connection's hold, and the refused body's digest it keeps.
+def take_refused_digest(arrivals: Any) -> bytes | None:
+    """The digest a held refusal left in its environ (service.http.resend), once its answer is closed.
 
-    The hold is service.http.arrival.hold_after's; the digest (service.http.resend)
-    is kept until the connection's next request, held or not, to tell whether that
-    one is the refused request sent again. (0.0, None) for a request that was not
-    refused. Drops the local's environ.
+    For the connection to keep until its next request; None when the request
+    was not held or its body's digest is unknown. Drops the local's environ.
     """
     environ, arrivals.environ = getattr(arrivals, "environ", None), None
-    if environ is None:
-        return 0.0, None
+    if environ is None or not getattr(arrivals, "hold_s", 0.0):
+        return None
     digest = environ.get(REFUSED_DIGEST_ENVIRON_KEY)
-    return hold_after(environ), digest if isinstance(digest, bytes) else None
+    return digest if isinstance(digest, bytes) else None
 
 
 class StampedApp:
@@ -321,11 +321,8 @@ class StampedApp:
         returning = getattr(self._arrivals, "returning", None)
         if returning:
             environ[RETURNING_ENVIRON_KEY] = returning
-        held_digest = getattr(self._arrivals, "held_digest", None)
-        if returning or held_digest is not None:
-            # The request refused before this one on the connection, held or not.
-            environ[HELD_DIGEST_ENVIRON_KEY] = held_digest
-        # A refusal's digest and hold are settled once its answer is closed (service.http.linger).
+            environ[HELD_DIGEST_ENVIRON_KEY] = getattr(self._arrivals, "held_digest", None)
+        # A refusal's digest is known only once its answer is closed (service.http.linger).
         self._arrivals.environ = environ
         environ[FOLLOW_UP_ENVIRON_KEY] = getattr(self._arrivals, "follow_up", True)
         waiting = getattr(self._arrivals, "waiting", None)
@@ -333,7 +330,9 @@ class StampedApp:
             environ[WAITING_ENVIRON_KEY] = waiting
         environ[HANDLER_ENVIRON_KEY] = time.monotonic()
         one_write(start_response)
-        return self._app(environ, start_response)
+        answer = self._app(environ, start_response)
+        self._arrivals.hold_s = environ.get(HOLD_ENVIRON_KEY, 0.0)
+        return answer
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._app, name)

@@ -18,9 +18,7 @@ gunicorn master imports them through the worker class.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-from service.http.resend import HELD_DIGEST_ENVIRON_KEY, REFUSED_DIGEST_ENVIRON_KEY, note_refused_body
+from service.http.resend import note_refused_body
 
 # The client's own deadline for a request, in milliseconds, as WSGI names the header
 # (X-Request-Timeout-Ms): the door reads it before the route does.
@@ -46,9 +44,8 @@ FOLLOW_UP_ENVIRON_KEY = "serve.follow_up"
 # when this one got its own, the queue before the handler (admission.Pace).
 WAITING_ENVIRON_KEY = "serve.waiting"
 
-# Seconds the service asks the worker to hold a connection after a request on it
-# was refused with 503, before it reads the next one (service.host.hold); absent:
-# no hold. Whether the worker holds it is hold_after's to say, once the answer is out.
+# Seconds the worker holds a connection after a request on it was refused with
+# 503, before it reads the next one (service.host.hold); absent: no hold.
 HOLD_ENVIRON_KEY = "serve.hold_s"
 # Set by the worker on the first request it reads after a hold, whose client was
 # refused and then waited by the worker's choice, not in a queue: LET_IN when it
@@ -131,38 +128,3 @@ def ask_to_hold(environ: dict[str, object], retry_after_s: float, budget_s: floa
     # For the connection to tell its next request a resend or a new one; a
     # body not read yet leaves its digest as service.http.linger drains it.
     note_refused_body(environ)
-
-
-def proxied(environ: Mapping[str, object]) -> bool:
-    """Whether the request came through a proxy that says so (nginx's X-Request-Start or X-Forwarded-For)."""
-    return "HTTP_X_REQUEST_START" in environ or "HTTP_X_FORWARDED_FOR" in environ
-
-
-def hold_after(environ: Mapping[str, object]) -> float:
-    """Seconds to hold the connection of a request answered, its body read or drained: 0 for none.
-
-    A refusal asks for a hold (ask_to_hold); the connection is held when the
-    refused request is one its client sent again: the same body as the request
-    refused before on the connection (service.http.resend), or a request read
-    after a hold whose refused body's digest is unknown. A client that resends
-    at once is held from its second refusal on, and costs two refusals a hold
-    at most. Any other connection is read again at once: an open-loop client's
-    pool sends its next, different request on the connection freed last, and
-    holding it made the pool open a connection for every request sent during
-    the hold (9,500 at five times this machine's capacity, a core of the
-    client's CPU and an accept queue full to its SYN drops; docs/overload.md).
-
-    A proxy's connection is held at its first refusal: the resend of one of its
-    clients comes back on another of its connections, and is never the same
-    request again on this one.
-    """
-    asked = environ.get(HOLD_ENVIRON_KEY)
-    if not isinstance(asked, float) or asked <= 0:
-        return 0.0
-    if proxied(environ):
-        return asked
-    before = environ.get(HELD_DIGEST_ENVIRON_KEY)
-    if before is None:
-        # Read after a hold, the refused body unknown: taken for a resend, as service.http.resend does.
-        return asked if environ.get(RETURNING_ENVIRON_KEY) else 0.0
-    return asked if environ.get(REFUSED_DIGEST_ENVIRON_KEY) == before else 0.0

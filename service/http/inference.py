@@ -245,16 +245,10 @@ def _run(
 ) -> Batched:
     """Queue the request's items and wait for their answer."""
     returning = environ.get(RETURNING_ENVIRON_KEY)
-    # Read after a refusal on its connection, held or not: the refused request
-    # again, or a new one (an open-loop client's next, another client's through a
-    # proxy), which is new demand. After a hold, a refused body of unknown digest
-    # counts as a resend (is_resend); with no hold and no digest, nothing was refused.
-    held_digest = environ.get(HELD_DIGEST_ENVIRON_KEY)
-    body = environ.get(BODY_ENVIRON_KEY, b"")
-    resend = (
-        is_resend(held_digest, body)
-        if returning is not None
-        else (held_digest is not None and is_resend(held_digest, body))
+    # Read after a hold: the refused request again, or a new one (an open-loop
+    # client's next, another client's through a proxy), which is new demand.
+    resend = returning is not None and is_resend(
+        environ.get(HELD_DIGEST_ENVIRON_KEY), environ.get(BODY_ENVIRON_KEY, b"")
     )
     pending = batcher.submit(
         items,

@@ -80,16 +80,15 @@ def has_body(environ: dict[str, Any]) -> bool:
 def discard_body(environ: dict[str, Any], max_bytes: int, max_s: float) -> bool:
     """Read and drop the rest of the request body; whether it was read to its end within the bounds.
 
-    A refused request whose connection was asked to be held, and whose body
-    nothing read before, leaves the digest of what was drained, read to its end,
-    for its connection to tell a resend from a new request (service.http.resend)
-    and whether to hold it (service.http.arrival.hold_after).
+    A refused request whose connection is held, and whose body nothing read
+    before, leaves the digest of what was drained, read to its end, for its
+    connection to tell a resend from a new request (service.http.resend).
     """
     stream = environ.get("wsgi.input")
     if stream is None:
         return True
-    asked = HOLD_ENVIRON_KEY in environ and REFUSED_DIGEST_ENVIRON_KEY not in environ
-    whole = digester() if asked else None
+    held = HOLD_ENVIRON_KEY in environ and REFUSED_DIGEST_ENVIRON_KEY not in environ
+    whole = digester() if held else None
     drained = _drain(environ, stream, max_bytes, max_s, whole)
     if drained and whole is not None:
         environ[REFUSED_DIGEST_ENVIRON_KEY] = whole.digest()

@@ -28,10 +28,9 @@ import hashlib
 
 # The body the route read, for the digest of a refused request's (ask_to_hold).
 BODY_ENVIRON_KEY = "serve.body"
-# Set on a refused request asked to be held: its body's digest, for its connection to keep.
+# Set on a refused request that is held: its body's digest, for its connection to keep.
 REFUSED_DIGEST_ENVIRON_KEY = "serve.refused_digest"
-# Set by the worker on the request it reads after a refusal on the connection (held
-# or not, service.http.arrival.hold_after) or after a hold: the refused one's digest, if known.
+# Set by the worker on the request it reads after a hold: the refused one's digest, if known.
 HELD_DIGEST_ENVIRON_KEY = "serve.held_digest"
 
 # Enough that two different bodies never collide in practice; blake2b reads
@@ -56,7 +55,7 @@ def note_refused_body(environ: dict[str, object]) -> None:
 
 
 def is_resend(held_digest: object, body: bytes) -> bool:
-    """Whether a request read after a refusal, of ``body``, is the refused request sent again.
+    """Whether a request read after a hold, of ``body``, is the refused request sent again.
 
     ``held_digest``: the refused request's digest its connection kept (None: unknown,
     and the request is taken for a resend).

@@ -1,9 +1,8 @@
-"""A resend told from a new request after a refusal (service.http.resend), the digest's carrier, who is held.
+"""A resend told from a new request on a held connection (service.http.resend), and what carries the digest.
 
-A refused request leaves its body's digest on its connection; the request
-read next on it is a resend only if its body has that digest. The pace counts
-a new one as demand, a resend not again; and only a resend (or any request
-through a proxy) has its connection held when it is refused (hold_after).
+A refused request that is held leaves its body's digest on its connection;
+the request read after the hold is a resend only if its body has that
+digest. The pace counts a new one as demand, a resend not again.
 """
 
 from __future__ import annotations
@@ -17,15 +16,8 @@ from typing import Any
 from flask.testing import FlaskClient
 
 from service.config.settings import Settings
-from service.host.worker import StampedApp, settle_refusal
-from service.http.arrival import (
-    HELD_OUT,
-    HOLD_ENVIRON_KEY,
-    LET_IN,
-    RETURNING_ENVIRON_KEY,
-    ask_to_hold,
-    hold_after,
-)
+from service.host.worker import StampedApp, take_refused_digest
+from service.http.arrival import HELD_OUT, HOLD_ENVIRON_KEY, LET_IN, RETURNING_ENVIRON_KEY, ask_to_hold
 from service.http.linger import Linger, discard_body
 from service.http.resend import (
     BODY_ENVIRON_KEY,
@@ -98,7 +90,7 @@ def test_a_held_refusal_whose_body_was_unread_leaves_the_digest_of_what_was_drai
     assert REFUSED_DIGEST_ENVIRON_KEY not in drained(Linger(not_held, 1 * MiB, 5), body)
 
 
-def test_the_worker_carries_a_refusals_digest_to_the_next_request_and_holds_only_a_resend() -> None:
+def test_the_worker_carries_a_refusals_digest_to_the_request_read_after_its_hold() -> None:
     seen: list[dict[str, Any]] = []
 
     def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
@@ -111,47 +103,21 @@ def test_the_worker_carries_a_refusals_digest_to_the_next_request_and_holds_only
     arrivals = threading.local()
     stamped = StampedApp(app, arrivals)
     stamped({"PATH_INFO": "/refuse"}, lambda *args: None)
-    # What the worker keeps on the connection once the answer is closed: a first
-    # refusal on a client's own connection is not held, but its digest is kept.
-    hold_s, kept = settle_refusal(arrivals)
-    assert (hold_s, kept) == (0.0, digest(REFUSED))
+    # What the worker keeps on the connection once the answer is closed.
+    kept = take_refused_digest(arrivals)
+    assert kept == digest(REFUSED)
     assert arrivals.environ is None  # the environ is not kept past its request
-    # The next request on the connection gets it, held or not.
-    arrivals.held_digest = kept
-    stamped({"PATH_INFO": "/refuse"}, lambda *args: None)
-    assert seen[-1][HELD_DIGEST_ENVIRON_KEY] == kept
-    # The same request refused again: held.
-    assert settle_refusal(arrivals) == (1.0, digest(REFUSED))
+    # The request read after the hold gets it; any other request does not.
     arrivals.returning, arrivals.held_digest = LET_IN, kept
     stamped({}, lambda *args: None)
     assert seen[-1][HELD_DIGEST_ENVIRON_KEY] == kept
-    assert settle_refusal(arrivals) == (0.0, None)  # served: nothing held, nothing kept
-    arrivals.returning = arrivals.held_digest = None
+    assert take_refused_digest(arrivals) is None  # served, not held
+    arrivals.returning = None
     stamped({}, lambda *args: None)
     assert HELD_DIGEST_ENVIRON_KEY not in seen[-1]
 
 
-def test_a_refusal_is_held_when_it_is_a_resend_or_came_through_a_proxy() -> None:
-    refused = {HOLD_ENVIRON_KEY: 0.5, REFUSED_DIGEST_ENVIRON_KEY: digest(REFUSED)}
-    # The first refusal on a client's own connection: its next request is read at
-    # once, which is an open-loop client's next request, not a resend.
-    assert hold_after(refused) == 0.0
-    # The same body as the request refused before on the connection: a resend.
-    assert hold_after({**refused, HELD_DIGEST_ENVIRON_KEY: digest(REFUSED)}) == 0.5
-    assert hold_after({**refused, HELD_DIGEST_ENVIRON_KEY: digest(NEW)}) == 0.0
-    # Read after a hold, the refused body unknown: taken for a resend.
-    assert hold_after({**refused, RETURNING_ENVIRON_KEY: HELD_OUT, HELD_DIGEST_ENVIRON_KEY: None}) == 0.5
-    # Through a proxy, a client's resend comes back on another connection: held at once.
-    assert hold_after({**refused, "HTTP_X_FORWARDED_FOR": "203.0.113.7"}) == 0.5
-    assert hold_after({**refused, "HTTP_X_REQUEST_START": "t=1"}) == 0.5
-    # No hold asked (served, or SERVE_HOLD_REFUSED=off): none.
-    assert (
-        hold_after({REFUSED_DIGEST_ENVIRON_KEY: digest(REFUSED), HELD_DIGEST_ENVIRON_KEY: digest(REFUSED)})
-        == 0.0
-    )
-
-
-def test_a_new_request_read_after_a_refusal_is_submitted_as_demand(
+def test_a_new_request_read_after_a_hold_is_submitted_as_demand(
     make_client: Callable[[Settings], FlaskClient],
 ) -> None:
     client = make_client(SMALL_MLP)
@@ -178,15 +144,6 @@ def test_a_new_request_read_after_a_refusal_is_submitted_as_demand(
                 environ_overrides={RETURNING_ENVIRON_KEY: how, HELD_DIGEST_ENVIRON_KEY: held},
             )
             assert answer.status_code == 200, answer.get_json()
-    # Read after a refusal that was not held: a resend only with the refused body.
-    for body in (REFUSED, NEW):
-        answer = client.post(
-            "/predict",
-            data=body,
-            content_type="application/json",
-            environ_overrides={HELD_DIGEST_ENVIRON_KEY: digest(REFUSED)},
-        )
-        assert answer.status_code == 200, answer.get_json()
-    # After no refusal: new, whatever its body.
+    # Not read after a hold: new, whatever its body.
     assert client.post("/predict", data=REFUSED, content_type="application/json").status_code == 200
-    assert resends == [resend for _ in (HELD_OUT, LET_IN) for _, _, resend in cases] + [True, False, False]
+    assert resends == [resend for _ in (HELD_OUT, LET_IN) for _, _, resend in cases] + [False]
