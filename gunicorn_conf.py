@@ -20,7 +20,7 @@ from service.config.model_spec import check_spec, default_onednn_cache, weights
 from service.config.precision_spec import check_device, cpu_flags
 from service.config.settings import Settings, cuda_visible_devices
 from service.errors import SettingsError
-from service.host import allocator, lifecycle, multiproc, preload
+from service.host import allocator, lifecycle, multiproc, open_files, preload
 from service.host.balance import Balance, ConnectionShares
 from service.host.slots import SlotTable
 from service.host.worker import BalancedThreadWorker
@@ -109,6 +109,7 @@ connection_shares = ConnectionShares(len(plan.workers) + 8)
 
 def on_starting(server):
     _choose_allocator(server)
+    _raise_open_files(server)
     _check_model()
     _log_plan(server)
     _share_metrics(server)
@@ -176,6 +177,21 @@ def _choose_allocator(server):
         for handler in server.log.error_log.handlers:
             handler.flush()
         allocator.execute(decision.preload, os.environ)
+
+
+def _raise_open_files(server):
+    # Before any worker is forked: they inherit the limit.
+    if plan.worker_connections is None:
+        return
+    limit, want = open_files.raise_for(plan.worker_connections)
+    if limit < want:
+        server.log.warning(
+            "the open-file limit is %d, below the %d a worker's %d connections need: past it a worker "
+            "stops accepting; raise the hard limit (ulimit -Hn) or lower SERVE_WORKER_CONNECTIONS",
+            limit,
+            want,
+            plan.worker_connections,
+        )
 
 
 # -- the model ----------------------------------------------------------------------

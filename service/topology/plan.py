@@ -20,11 +20,18 @@ from service.topology.inventory import Gpu, Inventory
 # Requests a worker must still take while a full batch waits: /healthz, /readyz,
 # /metrics and /info must answer even then.
 PROBE_HEADROOM = 8
-# Connections a gevent worker accepts beyond its batch and queue, at least: under
-# overload it must accept a connection to refuse its request in a millisecond; one
-# left in the listen backlog waits there unseen by the latency budget.
-SHED_HEADROOM = 1000
-# Requests a gevent worker keeps connections for beyond its running batch, in
+# Connections a worker accepts beyond its batch and queue: under overload it must
+# accept a connection to refuse its request in a millisecond. One left in the listen
+# backlog waits there unseen, and once the backlog is full the kernel drops new
+# connections, whose clients wait out SYN retries (1, 3, 7 s...) before a byte is
+# sent. Each refusal also keeps its connection held for up to a second with the
+# default budget (service.host.hold), and a worker refuses up to about 1,600 a
+# second on a core (0.6 ms each), so this many may be held at once. With 1,000
+# (gthread's own default), two workers filled theirs at five times the capacity of
+# a 2-core machine in bfloat16: accepted p99 27.9 s, 1,522 connection errors; with
+# 5,000, 2.0 s and none (docs/overload.md).
+SHED_HEADROOM = 4000
+# Requests a worker keeps connections for beyond its running batch, in
 # full batches: the queue itself is bounded in items (SERVE_MAX_QUEUE), not in
 # connections, so this is what a worker's clients need while others wait.
 QUEUED_BATCHES = 4
@@ -73,7 +80,7 @@ class Plan:
     workers: tuple[WorkerPlan, ...]
     devices: tuple[DevicePlan, ...]  # empty for a CPU plan
     threads: int  # request threads per gthread worker (1 for sync)
-    worker_connections: int | None  # gevent's concurrent connections per worker
+    worker_connections: int | None  # open connections per gevent or gthread worker (None for sync)
     timeout_s: int
     graceful_timeout_s: int
     inventory: Inventory
@@ -418,37 +425,39 @@ def _concurrency(
         warnings.append(
             f"SERVE_THREADS={settings.threads} is ignored: only gthread workers have request threads"
         )
-    if settings.worker_connections is not None and settings.worker_class != "gevent":
-        warnings.append(
-            f"SERVE_WORKER_CONNECTIONS={settings.worker_connections} is ignored: it sizes gevent workers only"
-        )
     if settings.worker_class == "sync":
+        if settings.worker_connections is not None:
+            warnings.append(
+                f"SERVE_WORKER_CONNECTIONS={settings.worker_connections} is ignored: a sync worker "
+                "holds one connection at a time"
+            )
         warnings.append(
             "SERVE_WORKER_CLASS=sync: each worker takes one request at a time, so the batched route "
             "never sees more than one request per batch"
         )
         decisions.append(Decision("request threads per worker", "1", "sync runs one request at a time"))
         return 1, None
+    # A greenlet or a connection in gthread's poller per open connection, idle
+    # keep-alive ones included, and both are cheap: admit a running batch, a full
+    # queue and the requests it is refusing, so an overloaded worker answers its own
+    # 503 instead of leaving connections unaccepted.
+    queued = QUEUED_BATCHES * settings.max_batch_size
+    connections = settings.worker_connections or (
+        settings.max_batch_size + queued + PROBE_HEADROOM + SHED_HEADROOM
+    )
+    why = (
+        "SERVE_WORKER_CONNECTIONS"
+        if settings.worker_connections
+        else f"max batch size {settings.max_batch_size} + {queued} queued ({QUEUED_BATCHES} batches) "
+        f"+ 8 for probes + {SHED_HEADROOM} to refuse under overload"
+    )
+    decisions.append(Decision("connections per worker", str(connections), why))
+    if connections < full:
+        warnings.append(
+            f"SERVE_WORKER_CONNECTIONS={connections} is below max batch size + {PROBE_HEADROOM}: batches "
+            "hold fewer requests and probes may wait behind them"
+        )
     if settings.worker_class == "gevent":
-        # A greenlet per open connection, idle keep-alive ones included, and greenlets are
-        # cheap: admit a running batch, a full queue and the requests it is refusing, so
-        # an overloaded worker answers its own 503 instead of leaving connections unaccepted.
-        queued = QUEUED_BATCHES * settings.max_batch_size
-        connections = settings.worker_connections or (
-            settings.max_batch_size + queued + PROBE_HEADROOM + SHED_HEADROOM
-        )
-        why = (
-            "SERVE_WORKER_CONNECTIONS"
-            if settings.worker_connections
-            else f"max batch size {settings.max_batch_size} + {queued} queued ({QUEUED_BATCHES} batches) "
-            f"+ 8 for probes + {SHED_HEADROOM} to refuse under overload"
-        )
-        decisions.append(Decision("connections per worker", str(connections), why))
-        if connections < full:
-            warnings.append(
-                f"SERVE_WORKER_CONNECTIONS={connections} is below max batch size + {PROBE_HEADROOM}: batches "
-                "hold fewer requests and probes may wait behind them"
-            )
         return 1, connections
     threads = settings.threads or full
     why = (
@@ -462,7 +471,7 @@ def _concurrency(
             f"SERVE_THREADS={threads} is below max batch size + {PROBE_HEADROOM}: a batch gathers at most "
             f"{threads} requests, and probes may wait behind them"
         )
-    return threads, None
+    return threads, connections
 
 
 def _timeouts(settings: Settings, decisions: list[Decision]) -> tuple[int, int]:

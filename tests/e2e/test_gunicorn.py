@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import requests
 
-from service.host import allocator
+from service.host import allocator, open_files
+from service.topology.plan import SHED_HEADROOM
 from tests.support.models import SECRET_PATH
 from tests.support.server import Server, gunicorn, gunicorn_exit
 
@@ -53,6 +54,21 @@ def test_probes_and_info(minilm: Server) -> None:
     assert info["batching"]["max_batch_size"] == 64
     # The master preloads jemalloc wherever the host has it (service.host.allocator).
     assert info["allocator"] == ("jemalloc" if allocator.find() else "system")
+
+
+def test_a_worker_may_open_a_descriptor_for_every_connection_it_accepts(minilm: Server) -> None:
+    # The plan's connections (a running batch, a full queue, the probes and the
+    # refusals held under overload), raised from the soft limit many hosts start
+    # with, as far as the hard limit allows (service.host.open_files).
+    want = open_files.needed(64 + 256 + 8 + SHED_HEADROOM)
+    [worker] = minilm.workers()
+    line = next(
+        line
+        for line in Path(f"/proc/{worker}/limits").read_text().splitlines()
+        if line.startswith("Max open files")
+    )
+    soft, hard = (float(value) if value != "unlimited" else float("inf") for value in line.split()[3:5])
+    assert soft >= min(want, hard), line
 
 
 def test_serve_allocator_system_keeps_glibc_s_malloc() -> None:

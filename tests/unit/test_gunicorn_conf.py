@@ -56,7 +56,7 @@ def test_the_config_reads_the_plan(environ: dict[str, str]) -> None:
     assert (conf["workers"], conf["worker_class"], conf["worker_connections"]) == (
         3,
         "service.host.gevent_worker.GeventWorker",
-        16 + 64 + 8 + 1000,
+        16 + 64 + 8 + 4000,
     )
     assert conf["preload_app"] is False
     assert conf["control_socket_disable"] is True

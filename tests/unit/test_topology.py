@@ -45,7 +45,7 @@ def test_two_cores_without_a_gpu_run_one_single_threaded_worker_per_core() -> No
     assert [w.gpu_memory_fraction for w in p.workers] == [None, None]
     assert p.devices == ()
     assert p.threads == 64 + 8
-    assert p.worker_connections is None
+    assert p.worker_connections == 64 + 256 + 8 + 4000
     assert (p.timeout_s, p.graceful_timeout_s) == (60, 35)
     assert p.warnings == ()
     env = p.worker_env(1)
@@ -209,20 +209,28 @@ def test_gthread_threads_cover_a_full_batch_and_the_probes() -> None:
     assert any("SERVE_THREADS=8 is below max batch size + 8" in w for w in low.warnings)
 
 
-def test_gevent_connections_cover_a_running_batch_a_full_queue_and_the_probes() -> None:
-    p = env_plan(TWO_CORES, SERVE_WORKER_CLASS="gevent")
-    assert p.worker_connections == 64 + 256 + 8 + 1000  # and room to refuse under overload
+@pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
+def test_connections_cover_a_running_batch_a_full_queue_the_probes_and_the_refused(worker_class: str) -> None:
+    p = env_plan(TWO_CORES, SERVE_WORKER_CLASS=worker_class)
+    # And room for the refusals held for their Retry-After under overload.
+    assert p.worker_connections == 64 + 256 + 8 + 4000
     assert (
-        env_plan(TWO_CORES, SERVE_WORKER_CLASS="gevent", SERVE_WORKER_CONNECTIONS="100").worker_connections
+        env_plan(
+            TWO_CORES, SERVE_WORKER_CLASS=worker_class, SERVE_WORKER_CONNECTIONS="100"
+        ).worker_connections
         == 100
     )
+    assert env_plan(TWO_CORES, SERVE_WORKER_CLASS="sync").worker_connections is None
 
 
 def test_concurrency_settings_of_another_worker_class_are_ignored_with_a_warning() -> None:
     gevent = env_plan(TWO_CORES, SERVE_WORKER_CLASS="gevent", SERVE_THREADS="100")
     assert gevent.warnings == ("SERVE_THREADS=100 is ignored: only gthread workers have request threads",)
-    gthread = env_plan(TWO_CORES, SERVE_WORKER_CONNECTIONS="50")
-    assert gthread.warnings == ("SERVE_WORKER_CONNECTIONS=50 is ignored: it sizes gevent workers only",)
+    sync = env_plan(TWO_CORES, SERVE_WORKER_CLASS="sync", SERVE_WORKER_CONNECTIONS="50")
+    assert (
+        sync.warnings[0]
+        == "SERVE_WORKER_CONNECTIONS=50 is ignored: a sync worker holds one connection at a time"
+    )
 
 
 def test_sync_is_allowed_with_a_warning_and_a_timeout_that_covers_a_request() -> None:
