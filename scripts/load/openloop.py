@@ -205,8 +205,8 @@ class _Pool:
 
     def give(self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
         # Past a burst, surplus idle connections are closed: held open, each would
-        # keep one of a gthread worker's worker_connections (1000) for its whole
-        # keep-alive time, and new ones would wait unaccepted behind them.
+        # keep one of a worker's connections (SERVE_WORKER_CONNECTIONS) for its whole
+        # keep-alive time, as a real client's pool does not.
         if len(self.idle) >= MAX_IDLE:
             self.drop(conn[1])
         else:
