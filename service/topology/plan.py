@@ -27,9 +27,9 @@ PROBE_HEADROOM = 8
 # sent. Each refusal also keeps its connection held for up to a second with the
 # default budget (service.host.hold), and a worker refuses up to about 1,600 a
 # second on a core (0.6 ms each), so this many may be held at once. With 1,000
-# (gthread's own default), two workers filled theirs at five times the capacity of
-# a 2-core machine in bfloat16: accepted p99 27.9 s, 1,522 connection errors; with
-# 5,000, 2.0 s and none (docs/overload.md).
+# (gthread's own default), two gthread workers filled theirs at five times the
+# capacity of a 2-core machine in bfloat16: accepted p99 31.0 and 39.4 s, 873 and
+# 1,679 connection errors; with this, 2.07 and 2.09 s and none (docs/overload.md).
 SHED_HEADROOM = 4000
 # Requests a worker keeps connections for beyond its running batch, in
 # full batches: the queue itself is bounded in items (SERVE_MAX_QUEUE), not in
