@@ -176,6 +176,9 @@ def test_a_killed_workers_counters_stay_and_its_gauges_go(tmp_path: Path) -> Non
             route: busy.total(REQUESTS, route=route, code="200") for route in ("/info", "/predict/batched")
         }
         assert counted == {"/info": sum(answered.values()), "/predict/batched": 4}
+        # A worker's access lines go out up to 50 ms after their requests, and a
+        # SIGKILL loses what is still queued (docs/monitoring.md): let them out first.
+        _wait_for_count(server, '"route": "/predict/batched"', 4)
 
         os.kill(held_pid, signal.SIGKILL)
         holder.join(60)
@@ -197,6 +200,12 @@ def test_a_killed_workers_counters_stay_and_its_gauges_go(tmp_path: Path) -> Non
         routes = [doc["route"] for doc in access if doc["logger"] == "service.access"]
         assert routes.count("/predict/batched") == 4
         assert all(doc["request_id"] for doc in access if doc["logger"] == "service.access")
+
+
+def _wait_for_count(server: Server, needle: str, count: int, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while server.log().count(needle) < count and time.monotonic() < deadline:
+        time.sleep(0.05)  # the log file offers nothing to wait on
 
 
 def _wait_for_held_pid(directory: Path, timeout: float = 30) -> int:
