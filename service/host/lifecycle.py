@@ -63,6 +63,13 @@ def runtime_of(worker: Any) -> ModelSet | None:
     return runtime
 
 
+def door_of(worker: Any) -> Any:
+    """The door of the app a gunicorn worker serves (service.http.door.Door), if it is this service's."""
+    from service.http.door import EXTENSION
+
+    return _extension(worker, EXTENSION)
+
+
 def _extension(worker: Any, name: str) -> Any:
     """The app's Flask extension ``name`` in a gunicorn worker; None in the master or for another app."""
     if getattr(worker, "pid", None) != os.getpid():

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import selectors
+import socket
 import threading
 import time
 from collections import deque
@@ -36,16 +37,19 @@ from concurrent.futures import Future
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from gunicorn import SERVER
+from gunicorn.util import http_date
 from gunicorn.workers.gthread import ThreadWorker
 
 from service.batching.admission import predict_wait
 from service.host.balance import Balance
 from service.host.hold import HeldConnections, peek
-from service.host.lifecycle import runtime_of
+from service.host.lifecycle import door_of, runtime_of
 from service.host.one_write import one_write
 from service.host.tcp_info import since_last_data
 from service.http.arrival import (
     ARRIVAL_ENVIRON_KEY,
+    DOOR_PASSED_ENVIRON_KEY,
     FOLLOW_UP_ENVIRON_KEY,
     HANDLER_ENVIRON_KEY,
     HELD_OUT,
@@ -54,7 +58,8 @@ from service.http.arrival import (
     RETURNING_ENVIRON_KEY,
     WAITING_ENVIRON_KEY,
 )
-from service.http.resend import HELD_DIGEST_ENVIRON_KEY, REFUSED_DIGEST_ENVIRON_KEY
+from service.http.request_head import read_head
+from service.http.resend import HELD_DIGEST_ENVIRON_KEY, REFUSED_DIGEST_ENVIRON_KEY, digest
 
 if TYPE_CHECKING:
     from service.runtime import ModelRuntime
@@ -63,6 +68,8 @@ T = TypeVar("T")
 # A request let in reaches a thread within milliseconds; one that has not after
 # this long never will (its client hung up), and no longer takes room.
 IN_TRANSIT_TTL_S = 1.0
+# Bytes peeked at for a request checked in the event loop: a larger request goes the usual way.
+PEEK_BYTES = 65536
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
@@ -98,6 +105,7 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         # One entry per connection handed to the pool and not yet taken by a thread:
         # the event loop appends, request threads pop (deque operations are atomic).
         self._waiting: deque[None] = deque()
+        self._door: Any = None  # the app's door, once looked up; False: none
         self.wsgi = StampedApp(self.wsgi, self._arrivals)
 
     def enqueue_req(self, conn: Any) -> None:
@@ -105,8 +113,80 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         held_since, conn.serve_held_since = getattr(conn, "serve_held_since", None), None
         conn.serve_arrived = time.monotonic() if held_since is None else held_since
         conn.serve_requests = getattr(conn, "serve_requests", 0) + 1
+        if self._refused_here(conn):
+            return
         self._waiting.append(None)  # until a request thread takes it (handle)
         super().enqueue_req(conn)
+
+    def _refused_here(self, conn: Any) -> bool:
+        """Check a kept-alive connection's request at the door in the event loop; whether it was refused here.
+
+        Only while the door is refusing (it refused within the last second), and
+        only for a request whose bytes are all in and plain (service.http.request_head):
+        the rest go to a request thread as always. A refusal is answered and its
+        connection held (or put back in the poller) without a thread; a request
+        let in carries the door's verdict to its thread (DOOR_PASSED_ENVIRON_KEY).
+        A request read after a hold is checked as the door checks it in a thread:
+        as returning (RETURNING_ENVIRON_KEY).
+        """
+        door = self._door
+        if door is None:
+            door = self._door = door_of(self) or False
+        if door is False or not door.refusing(time.monotonic()) or not self._plain_keep_alive(conn):
+            return False
+        try:
+            data = conn.sock.recv(PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except OSError:
+            return False
+        head = read_head(data)
+        if head is None:
+            return False
+        environ: dict[str, Any] = dict(head.environ)
+        arrived = kernel_arrival(conn.serve_arrived, conn.sock)
+        environ[ARRIVAL_ENVIRON_KEY] = arrived
+        environ[FOLLOW_UP_ENVIRON_KEY] = conn.serve_requests > 1
+        environ[WAITING_ENVIRON_KEY] = len(self._waiting)
+        returning = getattr(conn, "serve_returning", None)
+        if returning:
+            environ[RETURNING_ENVIRON_KEY] = returning
+        refusal = door.check(environ)
+        if refusal is None:
+            conn.serve_door_passed = environ.get(ARRIVAL_ENVIRON_KEY)
+            return False
+        # Refused again: no thread will take it, so it is no longer in transit or returning.
+        conn.serve_returning = None
+        if getattr(conn, "serve_in_transit", False):
+            conn.serve_in_transit = False
+            self._in_transit.landed()
+        try:
+            taken = conn.sock.recv(head.size, socket.MSG_DONTWAIT)
+            if len(taken) != head.size:
+                raise ConnectionError("the peeked request changed")  # cannot happen on a stream socket
+            answer = answer_bytes(refusal.status, refusal.headers, refusal.body)
+            sent = conn.sock.send(answer)
+            if sent < len(answer):  # a full send buffer, rare for a few hundred bytes
+                conn.sock.setblocking(True)
+                conn.sock.sendall(answer[sent:])
+                conn.sock.setblocking(False)
+        except OSError:
+            self.nr_conns -= 1
+            conn.close()
+            return True
+        if refusal.hold_s > 0:
+            conn.serve_hold_s = refusal.hold_s
+            conn.serve_refused_digest = digest(head.body)
+        self.finish_request(conn, KEPT_ALIVE)
+        return True
+
+    def _plain_keep_alive(self, conn: Any) -> bool:
+        """Whether ``conn`` is a kept-alive HTTP/1.1 connection whose next request only its socket holds.
+
+        A new connection's request may not be here yet; one whose bytes gunicorn
+        has read ahead into its buffer is not in the socket.
+        """
+        if not self.alive or not conn.initialized or conn.parser is None or conn.is_http2 or self.cfg.is_ssl:
+            return False
+        return not conn.parser.unreader.buf.getvalue()
 
     def handle(self, conn: Any) -> Any:
         with contextlib.suppress(IndexError):
@@ -121,6 +201,7 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         # What the request refused before this one on the connection was, to tell a resend.
         self._arrivals.held_digest = getattr(conn, "serve_refused_digest", None)
         self._arrivals.hold_s = 0.0
+        self._arrivals.door_passed, conn.serve_door_passed = getattr(conn, "serve_door_passed", None), None
         try:
             return super().handle(conn)
         finally:
@@ -216,6 +297,23 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
     def _woken(self, _fd: Any) -> None:
         if self.balance is not None:  # registered only with one
             self.balance.woken()
+
+
+def _kept_alive() -> Future[Any]:
+    done: Future[Any] = Future()
+    done.set_result(True)
+    return done
+
+
+# What finish_request is given for a request answered in the event loop: gthread's "keep alive".
+KEPT_ALIVE = _kept_alive()
+
+
+def answer_bytes(status: str, headers: list[tuple[str, str]], body: bytes) -> bytes:
+    """An HTTP/1.1 answer that keeps its connection open, as gunicorn would write it for a WSGI app."""
+    head = [f"HTTP/1.1 {status}", f"Server: {SERVER}", f"Date: {http_date()}", "Connection: keep-alive"]
+    head += [f"{name}: {value}" for name, value in headers]
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
 
 
 def _sent_at(entry: tuple[Any, Future[Any]]) -> float:
@@ -318,6 +416,9 @@ class StampedApp:
         arrived = getattr(self._arrivals, "at", None)
         if arrived is not None:
             environ[ARRIVAL_ENVIRON_KEY] = arrived
+        passed = getattr(self._arrivals, "door_passed", None)
+        if passed is not None:
+            environ[DOOR_PASSED_ENVIRON_KEY] = passed
         returning = getattr(self._arrivals, "returning", None)
         if returning:
             environ[RETURNING_ENVIRON_KEY] = returning

@@ -8,8 +8,8 @@ from werkzeug.exceptions import HTTPException
 from service.config.settings import Settings
 from service.errors import ServeError
 from service.http import access, openai_api, rerank, routes, tei, v2
+from service.http import door as doors
 from service.http.direct import Direct
-from service.http.door import Door
 from service.http.inference import json_response
 from service.http.linger import Linger
 from service.http.routes import bp, require_token
@@ -54,7 +54,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     # request context (service.http.direct): the same answers, for less.
     # Around them all, a refused body still arriving is read before the connection
     # closes, so that its client reads the refusal (service.http.linger).
-    door = Door(access.Access(Direct(app, runtime, metrics, DIRECT), metrics), runtime, metrics)
+    door = doors.Door(access.Access(Direct(app, runtime, metrics, DIRECT), metrics), runtime, metrics)
+    app.extensions[doors.EXTENSION] = door
     app.wsgi_app = Linger(door, settings.linger_bytes, settings.linger_ms / 1000)  # type: ignore[method-assign]
     runtime.start()
     return app

@@ -44,6 +44,10 @@ FOLLOW_UP_ENVIRON_KEY = "serve.follow_up"
 # when this one got its own, the queue before the handler (admission.Pace).
 WAITING_ENVIRON_KEY = "serve.waiting"
 
+# Set by the gthread worker on a request its event loop let through the door
+# (service.host.worker): the arrival the door settled on, so that the door in
+# the request thread does not check it again.
+DOOR_PASSED_ENVIRON_KEY = "serve.door_passed"
 # Seconds the worker holds a connection after a request on it was refused with
 # 503, before it reads the next one (service.host.hold); absent: no hold.
 HOLD_ENVIRON_KEY = "serve.hold_s"
@@ -104,8 +108,8 @@ def settle_wait(worker_stamp: object, now: float, proxy_waited: float) -> float:
     return max(0.0, own, proxy_waited)
 
 
-def ask_to_hold(environ: dict[str, object], retry_after_s: float, budget_s: float) -> None:
-    """Ask the worker to hold this connection after its 503.
+def hold_seconds(retry_after_s: float, budget_s: float) -> float:
+    """How long to hold a refused client's connection after its 503.
 
     A refused client's connection is left unread for its Retry-After, at most
     MAX_HOLD_S and half the latency budget, or until the batcher has room for
@@ -124,7 +128,17 @@ def ask_to_hold(environ: dict[str, object], retry_after_s: float, budget_s: floa
     # ends can still be admitted with a fresh request's margin (AdmissionRule.decide).
     # Longer holds mean fewer refusals from clients waiting their turn: 256 such
     # clients kept 0.72 to 0.81x of capacity with a quarter, 0.81 to 0.89x with half.
-    environ[HOLD_ENVIRON_KEY] = min(float(retry_after_s), MAX_HOLD_S, budget_s / 2)
+    return min(float(retry_after_s), MAX_HOLD_S, budget_s / 2)
+
+
+def ask_to_hold(environ: dict[str, object], retry_after_s: float, budget_s: float) -> None:
+    """Ask the worker to hold this connection after its 503, for ``hold_seconds``."""
+    hold(environ, hold_seconds(retry_after_s, budget_s))
+
+
+def hold(environ: dict[str, object], hold_s: float) -> None:
+    """Ask the worker to hold this connection after its 503 for ``hold_s``."""
+    environ[HOLD_ENVIRON_KEY] = hold_s
     # For the connection to tell its next request a resend or a new one; a
     # body not read yet leaves its digest as service.http.linger drains it.
     note_refused_body(environ)

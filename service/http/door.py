@@ -27,7 +27,7 @@ request). For the predict routes it
   and it waited past a tenth of the budget there (service.batching.admission);
 - asks the worker, for a refusal to a client that came straight to it, to hold
   the connection for the Retry-After it was told before reading the next
-  request on it (service.http.arrival.ask_to_hold; service.host.hold).
+  request on it (service.http.arrival.hold; service.host.hold).
 
 Other paths pass straight through. The batcher checks the budget again when
 the request is queued: many requests can pass the door together.
@@ -35,8 +35,10 @@ the request is queued: many requests can pass the door together.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -46,13 +48,15 @@ from service.errors import Overloaded
 from service.http.access import REQUEST_ID_HEADER, WsgiApp, request_id
 from service.http.arrival import (
     ARRIVAL_ENVIRON_KEY,
+    DOOR_PASSED_ENVIRON_KEY,
     FOLLOW_UP_ENVIRON_KEY,
     LET_IN,
     MODEL_ENVIRON_KEY,
     RETURNING_ENVIRON_KEY,
     TIMEOUT_ENVIRON_KEY,
     WAITING_ENVIRON_KEY,
-    ask_to_hold,
+    hold,
+    hold_seconds,
     proxy_wait,
     settle_wait,
 )
@@ -64,6 +68,9 @@ if TYPE_CHECKING:
     from service.model_set import ModelSet
     from service.runtime import ModelRuntime
     from service.telemetry.metrics import Metrics
+
+# The Flask extension under which the app keeps its door, for the worker's event loop.
+EXTENSION = "serve.door"
 
 # The prediction routes, each with whether its requests queue in a batcher (and
 # so wait for the work ahead) and whether the URL's ?model= names their model
@@ -108,7 +115,23 @@ def admitted_route(environ: dict[str, Any]) -> tuple[bool, str | None, str] | No
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """The door's answer to a request it refuses: a 503 in the route's error shape."""
+
+    status: str
+    headers: list[tuple[str, str]]
+    body: bytes
+    # How long its connection is to be held before its next request is read
+    # (service.host.hold); 0.0 where SERVE_HOLD_REFUSED is off.
+    hold_s: float
+
+
 class Door:
+    # How long after a refusal the worker's event loop keeps checking requests
+    # itself (service.host.worker): refusals come in runs, under overload.
+    REFUSING_S = 1.0
+
     def __init__(self, app: WsgiApp, models: ModelSet, metrics: Metrics) -> None:
         self._app = app
         self._models = models
@@ -120,11 +143,39 @@ class Door:
         self._metrics = metrics
         self._standing = runtime.admission.standing_queue()
         self._lock = native.allocate_lock()  # guards _standing: every request thread updates it
+        self._last_refusal = -math.inf
+
+    def refusing(self, now: float) -> bool:
+        """Whether the door refused a request within the last REFUSING_S."""
+        return now - self._last_refusal < self.REFUSING_S
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        passed = environ.get(DOOR_PASSED_ENVIRON_KEY)
+        if passed is not None:
+            # Checked already, by the worker's event loop, which settled its arrival.
+            environ[ARRIVAL_ENVIRON_KEY] = passed
+            return self._app(environ, start_response)
+        refusal = self.check(environ)
+        if refusal is None:
+            return self._app(environ, start_response)
+        start_response(refusal.status, refusal.headers)
+        if refusal.hold_s:
+            hold(environ, refusal.hold_s)
+        # The body, unread, is read after the answer is out (service.http.linger), so
+        # that the connection can carry the client's next request.
+        return [refusal.body]
+
+    def check(self, environ: dict[str, Any]) -> Refusal | None:
+        """The refusal, counted, for a request that cannot be answered in time; None to let it in.
+
+        Once it returns None, ``environ[ARRIVAL_ENVIRON_KEY]`` is the arrival the
+        route counts the deadline from. The environ needs only what a request's
+        line and headers give (service.host.worker checks requests with one of
+        its own making), and the worker's stamps.
+        """
         route = admitted_route(environ)
         if route is None or environ.get("REQUEST_METHOD") != "POST":
-            return self._app(environ, start_response)
+            return None
         queued, name, rule = route
         now = time.monotonic()
         waited = settle_wait(
@@ -142,11 +193,11 @@ class Door:
         elif name is not None:
             runtime = self._models.named(name)
             if runtime is None:
-                return self._app(environ, start_response)  # no such model: the route's 404
+                return None  # no such model: the route's 404
         settings = (runtime or self._runtime).settings
         length = _content_length(environ)
         if length is not None and length > settings.max_body_bytes:
-            return self._app(environ, start_response)  # the route refuses it unread: 413, not 503
+            return None  # the route refuses it unread: 413, not 503
         batcher = runtime.batcher if queued and runtime is not None else None
         # Weighed by its items before they are read: the body's length at the
         # bytes per item of recent requests, no more than a request may hold
@@ -158,7 +209,7 @@ class Door:
         if batcher is not None and batcher.gate.too_large(items, deadline_s) is not None:
             # Too large even alone, by its length: the batcher refuses it once
             # its items are known (413, not 503).
-            return self._app(environ, start_response)
+            return None
         predicted, behind = batcher.gate.door_outlook(items) if batcher is not None else (0.0, False)
         returning = environ.get(RETURNING_ENVIRON_KEY)
         # A returning request waited out a hold the worker chose, not a queue: it
@@ -178,7 +229,8 @@ class Door:
             returning=returning == LET_IN,
         )
         if refusal is None:
-            return self._app(environ, start_response)
+            return None
+        self._last_refusal = now
         if batcher is not None:
             # Demand unmet, for the pace (Gate.admit says which counts).
             follow_up = environ.get(FOLLOW_UP_ENVIRON_KEY, True)
@@ -191,22 +243,16 @@ class Door:
         # In the route's own error shape: OpenAI's, Cohere's, TEI's or the service's.
         status, document = error_document(environ.get("PATH_INFO", ""), 503, refusal.message, exc)
         body = orjson.dumps(document)
-        start_response(
-            f"{status} Service Unavailable",
-            [
-                ("Content-Type", "application/json"),
-                ("Content-Length", str(len(body))),
-                ("Retry-After", str(refusal.retry_after_s)),
-                (REQUEST_ID_HEADER, request_id(environ.get("HTTP_X_REQUEST_ID"))),
-            ],
-        )
+        headers = [
+            ("Content-Type", "application/json"),
+            ("Content-Length", str(len(body))),
+            ("Retry-After", str(refusal.retry_after_s)),
+            (REQUEST_ID_HEADER, request_id(environ.get("HTTP_X_REQUEST_ID"))),
+        ]
         # Counted with the other answers, so 503s add up in serve_http_requests_total.
         self._metrics.observe_request(rule, 503, time.monotonic() - now, model)
-        if settings.hold_refused:
-            ask_to_hold(environ, refusal.retry_after_s, admission.budget_s)
-        # The body, unread, is read after the answer is out (service.http.linger), so
-        # that the connection can carry the client's next request.
-        return [body]
+        hold_s = hold_seconds(refusal.retry_after_s, admission.budget_s) if settings.hold_refused else 0.0
+        return Refusal(f"{status} Service Unavailable", headers, body, hold_s)
 
 
 def _content_length(environ: dict[str, Any]) -> int | None:

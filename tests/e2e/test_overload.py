@@ -118,6 +118,62 @@ def test_a_refused_request_with_a_large_body_leaves_its_connection_usable(worker
         assert head.startswith(b"HTTP/1.1 200"), "the connection did not carry the next request"
 
 
+@pytest.mark.parametrize("worker_class", ["gthread", "gevent"])
+def test_a_kept_alive_request_refused_while_the_door_refuses_gets_the_doors_answer(worker_class: str) -> None:
+    # Once the door has refused, gthread's event loop checks kept-alive requests
+    # itself and answers refusals without a request thread (service.host.worker);
+    # gevent's door answers them in their greenlets. Either way the answer is the
+    # door's: the route's error shape, Retry-After, the client's request id, the
+    # connection kept, held, and then serving the client's next request.
+    stale = b"X-Request-Start: t=%.3f\r\n" % (time.time() - 60)  # past the 30 s deadline
+    with (
+        gunicorn({**OVERLOAD, "SERVE_WORKER_CLASS": worker_class}) as server,
+        socket.create_connection(("127.0.0.1", server.port), timeout=30) as first,
+        socket.create_connection(("127.0.0.1", server.port), timeout=30) as kept,
+    ):
+        kept.sendall(b"GET /readyz HTTP/1.1\r\nHost: test\r\n\r\n")
+        assert read_response(kept)[0].startswith(b"HTTP/1.1 200")
+        first.sendall(
+            b"POST /predict/batched HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            + stale
+            + b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
+        )
+        first_head, _ = read_response(first)
+        assert first_head.startswith(b"HTTP/1.1 503"), first_head
+
+        openai_body = b'{"input": "a sentence", "model": "sleepy"}'
+        kept.sendall(
+            b"POST /v1/embeddings HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            + stale
+            + b"X-Request-ID: e2e-kept-42\r\nContent-Length: %d\r\n\r\n%s" % (len(openai_body), openai_body)
+        )
+        head, body = read_response(kept)
+        refused_at = time.monotonic()
+        assert head.startswith(b"HTTP/1.1 503"), head
+        fields = dict(
+            (name.strip().lower(), value.strip())
+            for name, _, value in (line.partition(b":") for line in head.split(b"\r\n")[1:])
+        )
+        first_fields = {line.partition(b":")[0].strip().lower() for line in first_head.split(b"\r\n")[1:]}
+        assert set(fields) == first_fields, (head, first_head)
+        assert fields[b"connection"] == b"keep-alive"
+        assert fields[b"x-request-id"] == b"e2e-kept-42"
+        assert int(fields[b"retry-after"]) >= 1
+        error = json.loads(body)["error"]  # OpenAI's shape, as that route's refusals always are
+        assert error["type"] and "overloaded" in error["message"], error
+
+        # Held for its hold (half the 1 s budget at most), then the connection serves the next request.
+        kept.sendall(
+            b"POST /predict/batched HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
+        )
+        head, body = read_response(kept)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        assert json.loads(body)["outputs"]
+        assert time.monotonic() - refused_at < 2.0
+        assert rejected_over_budget(server) == 2
+
+
 class Storm(NamedTuple):
     served: list[int]  # each client's 200s
     refused: int  # 503s

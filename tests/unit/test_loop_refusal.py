@@ -1,0 +1,210 @@
+"""The gthread worker's event loop answers the door's refusals itself, on real loopback sockets.
+
+The worker is built without gunicorn's arbiter (``object.__new__``) and the door
+is a stand-in that says whether it refuses: what is tested is the worker's side,
+what it reads, writes and does with the connection. The door's own rule is in
+test_door.py, and tests/e2e/test_overload.py runs both in real gunicorn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import selectors
+import socket
+import time
+from collections import deque
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from service.host.hold import HeldConnections
+from service.host.worker import BalancedThreadWorker, InTransit
+from service.http.arrival import (
+    ARRIVAL_ENVIRON_KEY,
+    FOLLOW_UP_ENVIRON_KEY,
+    HELD_OUT,
+    RETURNING_ENVIRON_KEY,
+    WAITING_ENVIRON_KEY,
+)
+from service.http.door import Refusal
+from service.http.resend import digest
+from tests.support.raw_http import read_response
+
+BODY = b'{"inputs": ["a sentence"]}'
+REQUEST = (
+    b"POST /predict/batched HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY
+)
+REFUSAL = Refusal(
+    "503 Service Unavailable",
+    [
+        ("Content-Type", "application/json"),
+        ("Content-Length", "15"),
+        ("Retry-After", "1"),
+        ("X-Request-ID", "r1"),
+    ],
+    b'{"error":"no"}\n',
+    hold_s=0.5,
+)
+
+
+class StandInDoor:
+    def __init__(self, refusing: bool, refusal: Refusal | None) -> None:
+        self._refusing = refusing
+        self._refusal = refusal
+        self.checked: list[dict[str, Any]] = []
+
+    def refusing(self, now: float) -> bool:
+        return self._refusing
+
+    def check(self, environ: dict[str, Any]) -> Refusal | None:
+        self.checked.append(dict(environ))
+        environ[ARRIVAL_ENVIRON_KEY] = 42.0  # the arrival the door settles on
+        return self._refusal
+
+
+def worker(door: StandInDoor) -> Any:
+    made: Any = object.__new__(BalancedThreadWorker)
+    made._door = door
+    made.alive = True
+    made.cfg = SimpleNamespace(is_ssl=False, keepalive=2)
+    made.poller = selectors.DefaultSelector()
+    made.keepalived_conns = deque()
+    made._held = HeldConnections()
+    made._waiting = deque([None, None, None])  # three requests waiting for a thread
+    made.nr_conns = 1
+    return made
+
+
+@pytest.fixture
+def connected() -> Iterator[tuple[socket.socket, socket.socket]]:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        served, _ = listener.accept()
+    served.setblocking(False)  # as gthread leaves a kept-alive connection in its poller
+    with client, served:
+        yield client, served
+
+
+def kept_alive(sock: socket.socket) -> Any:
+    return SimpleNamespace(
+        sock=sock,
+        initialized=True,
+        is_http2=False,
+        parser=SimpleNamespace(unreader=SimpleNamespace(buf=io.BytesIO())),
+        serve_arrived=time.monotonic(),
+        serve_requests=2,
+        timeout=None,
+        set_timeout=lambda: None,
+        close=sock.close,
+    )
+
+
+def sent(client: socket.socket, data: bytes) -> None:
+    client.sendall(data)
+    time.sleep(0.05)  # on loopback, in the served socket by then
+
+
+def test_a_refusal_is_answered_and_its_connection_held_without_a_thread(
+    connected: tuple[socket.socket, socket.socket],
+) -> None:
+    client, served = connected
+    door = StandInDoor(refusing=True, refusal=REFUSAL)
+    loop, conn = worker(door), kept_alive(served)
+    sent(client, REQUEST + b"GET /next")  # and the start of the client's next request
+
+    assert loop._refused_here(conn) is True
+    [environ] = door.checked
+    assert environ["PATH_INFO"] == "/predict/batched" and environ["REQUEST_METHOD"] == "POST"
+    assert environ[FOLLOW_UP_ENVIRON_KEY] is True and environ[WAITING_ENVIRON_KEY] == 3
+    assert environ[ARRIVAL_ENVIRON_KEY] <= time.monotonic()
+
+    head, body = read_response(client)
+    status, *lines = head.split(b"\r\n")
+    assert status == b"HTTP/1.1 503 Service Unavailable"
+    assert {b"Connection: keep-alive", b"Retry-After: 1", b"X-Request-ID: r1", b"Server: gunicorn"} <= set(
+        lines
+    )
+    assert any(line.startswith(b"Date: ") for line in lines)
+    assert body == REFUSAL.body
+    # The request was taken from the socket, and only it: the next one's bytes wait there.
+    assert served.recv(100, socket.MSG_PEEK) == b"GET /next"
+    # Held, watched for its client's next request, with the refused body's digest to tell a resend.
+    assert len(loop._held) == 1 and conn.serve_held == "watched"
+    assert conn.serve_refused_digest == digest(BODY)
+    assert loop.poller.get_key(served) is not None
+    assert len(loop._waiting) == 3  # no request thread was asked for
+
+
+def test_with_holds_off_a_refused_connection_goes_back_to_the_poller(
+    connected: tuple[socket.socket, socket.socket],
+) -> None:
+    client, served = connected
+    loop, conn = (
+        worker(StandInDoor(refusing=True, refusal=dataclasses.replace(REFUSAL, hold_s=0.0))),
+        kept_alive(served),
+    )
+    sent(client, REQUEST)
+    assert loop._refused_here(conn) is True
+    assert read_response(client)[0].startswith(b"HTTP/1.1 503")
+    assert len(loop._held) == 0 and list(loop.keepalived_conns) == [conn]
+
+
+def test_a_request_read_after_a_hold_is_checked_as_returning_and_refused_again_leaves_transit(
+    connected: tuple[socket.socket, socket.socket],
+) -> None:
+    client, served = connected
+    door = StandInDoor(refusing=True, refusal=REFUSAL)
+    loop, conn = worker(door), kept_alive(served)
+    loop._in_transit = InTransit()
+    loop._in_transit.sent(time.monotonic())
+    conn.serve_returning, conn.serve_in_transit = HELD_OUT, True
+    sent(client, REQUEST)
+    assert loop._refused_here(conn) is True
+    assert door.checked[0][RETURNING_ENVIRON_KEY] == HELD_OUT
+    assert conn.serve_returning is None and conn.serve_in_transit is False
+    assert loop._in_transit.count(time.monotonic()) == 0
+    assert read_response(client)[0].startswith(b"HTTP/1.1 503")
+
+
+def test_a_request_let_in_carries_the_doors_verdict_and_stays_in_the_socket(
+    connected: tuple[socket.socket, socket.socket],
+) -> None:
+    client, served = connected
+    loop, conn = worker(StandInDoor(refusing=True, refusal=None)), kept_alive(served)
+    sent(client, REQUEST)
+    assert loop._refused_here(conn) is False
+    assert conn.serve_door_passed == 42.0  # its thread's door does not check it again
+    assert served.recv(len(REQUEST) + 10, socket.MSG_PEEK) == REQUEST
+
+
+@pytest.mark.parametrize(
+    ("refusing", "data", "setup"),
+    [
+        pytest.param(False, REQUEST, None, id="the door is not refusing"),
+        pytest.param(True, REQUEST[:-4], None, id="the body is not all in"),
+        pytest.param(True, REQUEST.replace(b"HTTP/1.1", b"HTTP/1.0"), None, id="not plain"),
+        pytest.param(True, REQUEST, "read ahead", id="bytes in gunicorn's buffer"),
+        pytest.param(True, REQUEST, "new", id="a new connection"),
+        pytest.param(True, REQUEST, "stopping", id="the worker is stopping"),
+    ],
+)
+def test_what_the_loop_does_not_check_goes_to_a_thread_untouched(
+    connected: tuple[socket.socket, socket.socket], refusing: bool, data: bytes, setup: str | None
+) -> None:
+    client, served = connected
+    door = StandInDoor(refusing=refusing, refusal=REFUSAL)
+    loop, conn = worker(door), kept_alive(served)
+    if setup == "read ahead":
+        conn.parser.unreader.buf.write(b"POST")
+    elif setup == "new":
+        conn.initialized, conn.parser = False, None
+    elif setup == "stopping":
+        loop.alive = False
+    sent(client, data)
+    assert loop._refused_here(conn) is False
+    assert door.checked == []
+    assert served.recv(len(data) + 10, socket.MSG_PEEK) == data
