@@ -363,6 +363,14 @@ class StandingQueue:
         self.interval_s = interval_s
         self._above_since: float | None = None
 
+    def stands(self, waited_s: float, now: float) -> bool:
+        """What ``standing`` would answer for this wait, without counting it."""
+        return (
+            waited_s >= self.target_s
+            and self._above_since is not None
+            and now - self._above_since >= self.interval_s
+        )
+
     def standing(self, waited_s: float, now: float) -> bool:
         if waited_s < self.target_s:
             self._above_since = None

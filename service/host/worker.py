@@ -49,7 +49,6 @@ from service.host.one_write import one_write
 from service.host.tcp_info import since_last_data
 from service.http.arrival import (
     ARRIVAL_ENVIRON_KEY,
-    DOOR_PASSED_ENVIRON_KEY,
     FOLLOW_UP_ENVIRON_KEY,
     HANDLER_ENVIRON_KEY,
     HELD_OUT,
@@ -125,7 +124,7 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         only for a request whose bytes are all in and plain (service.http.request_head):
         the rest go to a request thread as always. A refusal is answered and its
         connection held (or put back in the poller) without a thread; a request
-        let in carries the door's verdict to its thread (DOOR_PASSED_ENVIRON_KEY).
+        the door would let in goes to a thread untouched, to be checked there.
         A request read after a hold is checked as the door checks it in a thread:
         as returning (RETURNING_ENVIRON_KEY).
         """
@@ -149,9 +148,8 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         returning = getattr(conn, "serve_returning", None)
         if returning:
             environ[RETURNING_ENVIRON_KEY] = returning
-        refusal = door.check(environ)
+        refusal = door.check(environ, ahead_of_thread=True)
         if refusal is None:
-            conn.serve_door_passed = environ.get(ARRIVAL_ENVIRON_KEY)
             return False
         # Refused again: no thread will take it, so it is no longer in transit or returning.
         conn.serve_returning = None
@@ -201,7 +199,6 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         # What the request refused before this one on the connection was, to tell a resend.
         self._arrivals.held_digest = getattr(conn, "serve_refused_digest", None)
         self._arrivals.hold_s = 0.0
-        self._arrivals.door_passed, conn.serve_door_passed = getattr(conn, "serve_door_passed", None), None
         try:
             return super().handle(conn)
         finally:
@@ -433,9 +430,6 @@ class StampedApp:
         arrived = getattr(self._arrivals, "at", None)
         if arrived is not None:
             environ[ARRIVAL_ENVIRON_KEY] = arrived
-        passed = getattr(self._arrivals, "door_passed", None)
-        if passed is not None:
-            environ[DOOR_PASSED_ENVIRON_KEY] = passed
         returning = getattr(self._arrivals, "returning", None)
         if returning:
             environ[RETURNING_ENVIRON_KEY] = returning

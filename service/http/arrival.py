@@ -44,10 +44,6 @@ FOLLOW_UP_ENVIRON_KEY = "serve.follow_up"
 # when this one got its own, the queue before the handler (admission.Pace).
 WAITING_ENVIRON_KEY = "serve.waiting"
 
-# Set by the gthread worker on a request its event loop let through the door
-# (service.host.worker): the arrival the door settled on, so that the door in
-# the request thread does not check it again.
-DOOR_PASSED_ENVIRON_KEY = "serve.door_passed"
 # Seconds the worker holds a connection after a request on it was refused with
 # 503, before it reads the next one (service.host.hold); absent: no hold.
 HOLD_ENVIRON_KEY = "serve.hold_s"

@@ -48,7 +48,6 @@ from service.errors import Overloaded
 from service.http.access import REQUEST_ID_HEADER, WsgiApp, request_id
 from service.http.arrival import (
     ARRIVAL_ENVIRON_KEY,
-    DOOR_PASSED_ENVIRON_KEY,
     FOLLOW_UP_ENVIRON_KEY,
     LET_IN,
     MODEL_ENVIRON_KEY,
@@ -65,6 +64,7 @@ from service.http.shapes import error_document
 from service.telemetry.model_metrics import NO_MODEL
 
 if TYPE_CHECKING:
+    from service.batching.admission import Refusal as AdmissionRefusal
     from service.model_set import ModelSet
     from service.runtime import ModelRuntime
     from service.telemetry.metrics import Metrics
@@ -150,11 +150,6 @@ class Door:
         return now - self._last_refusal < self.REFUSING_S
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        passed = environ.get(DOOR_PASSED_ENVIRON_KEY)
-        if passed is not None:
-            # Checked already, by the worker's event loop, which settled its arrival.
-            environ[ARRIVAL_ENVIRON_KEY] = passed
-            return self._app(environ, start_response)
         refusal = self.check(environ)
         if refusal is None:
             return self._app(environ, start_response)
@@ -165,13 +160,17 @@ class Door:
         # that the connection can carry the client's next request.
         return [refusal.body]
 
-    def check(self, environ: dict[str, Any]) -> Refusal | None:
+    def check(self, environ: dict[str, Any], *, ahead_of_thread: bool = False) -> Refusal | None:
         """The refusal, counted, for a request that cannot be answered in time; None to let it in.
 
         Once it returns None, ``environ[ARRIVAL_ENVIRON_KEY]`` is the arrival the
         route counts the deadline from. The environ needs only what a request's
-        line and headers give (service.host.worker checks requests with one of
-        its own making), and the worker's stamps.
+        line and headers give, and the worker's stamps.
+
+        ``ahead_of_thread``: the gthread worker's event loop asks, before the
+        request waits for a thread (service.host.worker). It counts only a
+        refusal: a request it lets in is checked again, and counted, by the door
+        in its thread, as every request is, after its wait for the thread.
         """
         route = admitted_route(environ)
         if route is None or environ.get("REQUEST_METHOD") != "POST":
@@ -184,7 +183,8 @@ class Door:
             proxy_wait(environ.get("HTTP_X_REQUEST_START"), time.time()),
         )
         environ[ARRIVAL_ENVIRON_KEY] = now - waited
-        self._metrics.observe_wait(waited)
+        if not ahead_of_thread:
+            self._metrics.observe_wait(waited)
         # The model whose queue the request joins: a lone model, or the one the URL
         # names; one the body names is not known here.
         runtime: ModelRuntime | None = None
@@ -215,10 +215,7 @@ class Door:
         # A returning request waited out a hold the worker chose, not a queue: it
         # neither shows nor is refused by a standing queue (else a service whose
         # clients had all been refused once would refuse them for good).
-        standing = False
-        if not returning:
-            with self._lock:
-                standing = self._standing.standing(waited, now)
+        standing = not returning and self._stands(waited, now, count=not ahead_of_thread)
         admission = (runtime or self._runtime).admission
         refusal = admission.decide(
             waited,
@@ -230,11 +227,31 @@ class Door:
         )
         if refusal is None:
             return None
-        self._last_refusal = now
+        if ahead_of_thread:  # what the door in the thread would have counted
+            self._metrics.observe_wait(waited)
+            if not returning:
+                self._stands(waited, now, count=True)
         if batcher is not None:
             # Demand unmet, for the pace (Gate.admit says which counts).
             follow_up = environ.get(FOLLOW_UP_ENVIRON_KEY, True)
             batcher.gate.refused(items, waited if follow_up else None, environ.get(WAITING_ENVIRON_KEY))
+        return self._refused(environ, refusal, runtime, rule, now)
+
+    def _stands(self, waited: float, now: float, *, count: bool) -> bool:
+        """The standing queue's verdict on a request that waited ``waited``, counting its wait or not."""
+        with self._lock:
+            return (self._standing.standing if count else self._standing.stands)(waited, now)
+
+    def _refused(
+        self,
+        environ: dict[str, Any],
+        refusal: AdmissionRefusal,
+        runtime: ModelRuntime | None,
+        rule: str,
+        now: float,
+    ) -> Refusal:
+        """The 503 for ``refusal``, counted in the metrics, in the route's error shape."""
+        self._last_refusal = now
         # Counted under the model the URL names (or the lone one); one the unread body names is unknown.
         model = (runtime.served_name if runtime is not None else None) or NO_MODEL
         environ[MODEL_ENVIRON_KEY] = model
@@ -251,6 +268,8 @@ class Door:
         ]
         # Counted with the other answers, so 503s add up in serve_http_requests_total.
         self._metrics.observe_request(rule, 503, time.monotonic() - now, model)
+        admission = (runtime or self._runtime).admission
+        settings = (runtime or self._runtime).settings
         hold_s = hold_seconds(refusal.retry_after_s, admission.budget_s) if settings.hold_refused else 0.0
         return Refusal(f"{status} Service Unavailable", headers, body, hold_s)
 
