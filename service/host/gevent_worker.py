@@ -12,7 +12,8 @@ so a native ``subprocess`` costs the event loop nothing.
 
 It also holds a refused client's connection for the Retry-After it was told
 before reading its next request (service.host.hold): the connection's greenlet
-waits, which holds no thread.
+waits, which holds no thread. The request that arrives during the hold is
+checked at the door before gunicorn parses it, and a refusal answered there.
 """
 
 from __future__ import annotations
@@ -28,8 +29,25 @@ from gevent.socket import wait_read
 from gunicorn.workers.ggevent import GeventWorker as _GeventWorker
 
 from service.host.hold import HeldConnections, peek
-from service.host.worker import InTransit, StampedApp, kernel_arrival, room_test, take_refused_digest
-from service.http.arrival import HELD_OUT, LET_IN
+from service.host.lifecycle import door_of
+from service.host.worker import (
+    PEEK_BYTES,
+    InTransit,
+    StampedApp,
+    answer_bytes,
+    kernel_arrival,
+    room_test,
+    take_refused_digest,
+)
+from service.http.arrival import (
+    ARRIVAL_ENVIRON_KEY,
+    FOLLOW_UP_ENVIRON_KEY,
+    HELD_OUT,
+    LET_IN,
+    RETURNING_ENVIRON_KEY,
+)
+from service.http.request_head import read_head
+from service.http.resend import digest
 
 
 class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no type hints
@@ -51,6 +69,7 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
         super().load_wsgi()
         self._requests = local()
         self._lot = Lot(self)
+        self._door: Any = None  # the app's door, once looked up; False: none
         self.wsgi = StampedApp(self.wsgi, self._requests)
 
     def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> None:
@@ -72,16 +91,67 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
             # request should reach it before the resend of the client just answered.
             self._lot.poke()
         if requests.hold_s > 0 and self.alive:
-            # A client refused again keeps its place: first come, first let in.
-            requests.first_held = getattr(requests, "first_held", None) or time.monotonic()
-            arrived, early = self._lot.wait_out(sock, requests.hold_s, requests.first_held)
-            if arrived is not None:
-                requests.next_at = arrived  # its resend arrived then
-                requests.in_transit = True
-            requests.returning = LET_IN if early else HELD_OUT  # for the request it reads next
-            requests.held_digest = refused_digest  # to tell whether that request is a resend
+            self._hold(sock, requests.hold_s, refused_digest)
+            while self._refused_ahead(req, sock):
+                pass  # refused and held again
         else:
             requests.first_held = None
+
+    def _hold(self, sock: Any, hold_s: float, refused_digest: bytes | None) -> None:
+        """Hold the connection of a refused request (service.host.hold), for the one it reads next."""
+        requests = self._requests
+        # A client refused again keeps its place: first come, first let in.
+        requests.first_held = getattr(requests, "first_held", None) or time.monotonic()
+        arrived, early = self._lot.wait_out(sock, hold_s, requests.first_held)
+        if arrived is not None:
+            requests.next_at = arrived  # its resend arrived then
+            requests.in_transit = True
+        requests.returning = LET_IN if early else HELD_OUT  # for the request it reads next
+        requests.held_digest = refused_digest  # to tell whether that request is a resend
+
+    def _refused_ahead(self, req: Any, sock: Any) -> bool:
+        """Answer the request that arrived during a hold here, if the door refuses it; whether it did.
+
+        As gthread's event loop does (service.host.worker): only while the door
+        is refusing, and only for a whole plain request (service.http.request_head),
+        without gunicorn's parser or a WSGI environ. A request the door would let
+        in, or any other, is left in the socket for gunicorn to read as always.
+        A refusal is held again, as the door's would be.
+        """
+        requests = self._requests
+        door = self._door
+        if door is None:
+            door = self._door = door_of(self) or False
+        if requests.next_at is None or door is False or not door.refusing(time.monotonic()):
+            return False
+        if not self.alive or req.unreader.buf.getvalue():
+            return False
+        head = read_head(sock.recv(PEEK_BYTES, socket.MSG_PEEK))  # it is in the socket: no wait
+        if head is None:
+            return False
+        environ: dict[str, Any] = dict(head.environ)
+        environ[ARRIVAL_ENVIRON_KEY] = kernel_arrival(requests.next_at, sock)
+        environ[FOLLOW_UP_ENVIRON_KEY] = True
+        environ[RETURNING_ENVIRON_KEY] = requests.returning
+        refusal = door.check(environ, ahead_of_thread=True)
+        if refusal is None:
+            return False
+        taken = 0
+        while taken < head.size:
+            chunk = sock.recv(head.size - taken)
+            if not chunk:
+                raise ConnectionError("the client closed its connection")  # gunicorn closes it
+            taken += len(chunk)
+        sock.sendall(answer_bytes(refusal.status, refusal.headers, refusal.body))
+        requests.next_at = requests.returning = requests.held_digest = None
+        if requests.in_transit:
+            requests.in_transit = False
+            self._lot.in_transit.landed()
+        if refusal.hold_s <= 0:
+            requests.first_held = None
+            return False
+        self._hold(sock, refusal.hold_s, digest(head.body))
+        return True
 
 
 class Lot:

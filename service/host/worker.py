@@ -16,6 +16,14 @@
 #   its client has resent, as soon as the batcher has room (let_in), after any
 #   turn of the loop. InTransit counts those let in and not yet picked up by a
 #   thread: the event loop adds, request threads take off.
+# - Refusals in the event loop: while the door is refusing, enqueue_req peeks
+#   at a kept-alive connection's socket and, for a whole plain request
+#   (service.http.request_head), asks the door (Door.check, ahead_of_thread).
+#   A refusal is taken off the socket, answered with one send and held as a
+#   thread's would be (finish_request with KEPT_ALIVE); anything else is left
+#   in the socket for a thread, which reads it as it always did. The door's
+#   verdict is made of the same reads a request thread makes, under the same
+#   locks, so the loop and the threads may ask at once.
 
 """gunicorn's gthread worker: it stamps each request's arrival, and accepts only its share of connections.
 
@@ -161,11 +169,13 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
             if len(taken) != head.size:
                 raise ConnectionError("the peeked request changed")  # cannot happen on a stream socket
             answer = answer_bytes(refusal.status, refusal.headers, refusal.body)
-            sent = conn.sock.send(answer)
+            try:
+                sent = conn.sock.send(answer, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                sent = 0
             if sent < len(answer):  # a full send buffer, rare for a few hundred bytes
                 conn.sock.setblocking(True)
                 conn.sock.sendall(answer[sent:])
-                conn.sock.setblocking(False)
         except OSError:
             self.nr_conns -= 1
             conn.close()
@@ -278,6 +288,11 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
             conn.serve_in_transit = True
             self._in_transit.sent(time.monotonic())
         conn.serve_returning = how
+        if held == "sent" and self.alive:
+            # Its request is here already: no need for the poller to say so (two
+            # epoll_ctl calls and a turn of the loop).
+            self.enqueue_req(conn)
+            return
         super().finish_request(conn, fs)
 
     def run(self) -> None:

@@ -6,6 +6,11 @@
 # - A refused request is answered here and never reaches Flask: no request
 #   context, no access line (at thousands a second the line would cost more than
 #   the refusal); the metrics count it as any other answer.
+# - Door.check is also called from gthread's event loop (service.host.worker),
+#   which answers its refusals without a request thread while the door is
+#   refusing. That caller counts only refusals: StandingQueue.stands reads the
+#   standing queue without adding a sample, so a request let in is counted once,
+#   by the door in its thread.
 
 """Admission at the door: refuse, before any parsing, a request that cannot be answered in time.
 
@@ -31,6 +36,11 @@ request). For the predict routes it
 
 Other paths pass straight through. The batcher checks the budget again when
 the request is queued: many requests can pass the door together.
+
+Under gthread, for a second after each refusal, the worker's event loop asks
+the door about each kept-alive request whose bytes are all in before it hands
+the connection to a thread, and answers a refusal itself: that costs a third
+of a refusal in a thread (docs/overload.md). The answer is the same.
 """
 
 from __future__ import annotations

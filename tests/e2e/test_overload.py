@@ -162,6 +162,19 @@ def test_a_kept_alive_request_refused_while_the_door_refuses_gets_the_doors_answ
         error = json.loads(body)["error"]  # OpenAI's shape, as that route's refusals always are
         assert error["type"] and "overloaded" in error["message"], error
 
+        # Sent again during its hold, still stale: refused again, with the same answer
+        # (gevent checks it at the door before gunicorn parses it), and held again.
+        kept.sendall(
+            b"POST /v1/embeddings HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            + stale
+            + b"X-Request-ID: e2e-kept-43\r\nContent-Length: %d\r\n\r\n%s" % (len(openai_body), openai_body)
+        )
+        again, again_body = read_response(kept)
+        assert again.startswith(b"HTTP/1.1 503"), again
+        assert b"X-Request-ID: e2e-kept-43" in again
+        assert json.loads(again_body)["error"]["type"] == error["type"]
+        refused_at = time.monotonic()
+
         # Held for its hold (half the 1 s budget at most), then the connection serves the next request.
         kept.sendall(
             b"POST /predict/batched HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
@@ -171,7 +184,7 @@ def test_a_kept_alive_request_refused_while_the_door_refuses_gets_the_doors_answ
         assert head.startswith(b"HTTP/1.1 200"), head
         assert json.loads(body)["outputs"]
         assert time.monotonic() - refused_at < 2.0
-        assert rejected_over_budget(server) == 2
+        assert rejected_over_budget(server) == 3
 
 
 class Storm(NamedTuple):

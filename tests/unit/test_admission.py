@@ -186,6 +186,16 @@ def test_a_queue_is_standing_once_every_wait_for_an_interval_was_over_the_target
     assert queue.standing(0.2, now=11.7)
 
 
+def test_asking_whether_a_queue_stands_counts_nothing() -> None:
+    queue = StandingQueue(target_s=0.1, interval_s=0.5)
+    assert not queue.stands(0.2, now=10.0)
+    assert not queue.stands(0.2, now=11.0)  # nothing was counted: no interval began
+    assert not queue.standing(0.2, now=11.0)
+    assert queue.stands(0.2, now=11.5) and not queue.stands(0.05, now=11.5)
+    assert queue.stands(0.2, now=11.6)  # the short wait asked about did not end the spell
+    assert queue.standing(0.2, now=11.6)
+
+
 def test_a_returning_client_is_let_in_with_a_smaller_margin() -> None:
     rule = AdmissionRule(budget_s=2.0)
     # 1.2 s of work ahead: past half the budget, within two thirds of it.

@@ -8,6 +8,7 @@ arrival stamp, so the refusing ones shorten the deadline to the budget.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,7 @@ from flask.testing import FlaskClient
 
 from service.config.settings import Settings
 from service.http.arrival import ARRIVAL_ENVIRON_KEY, HOLD_ENVIRON_KEY
+from service.http.door import EXTENSION
 from tests.conftest import SMALL_MLP
 from tests.support.metrics import Scrape
 
@@ -188,3 +190,31 @@ def test_with_several_models_the_door_refuses_for_the_model_the_url_names(
     assert metrics.total("serve_rejected_requests_total", reason="over_budget", model="b") == 2
     assert metrics.total("serve_rejected_requests_total", reason="over_budget", model="a") == 0
     assert metrics.total("serve_rejected_requests_total", reason="over_budget") == 3
+
+
+def test_the_event_loops_check_counts_only_what_it_refuses(
+    make_client: Callable[[Settings], FlaskClient],
+) -> None:
+    # The gthread worker's event loop asks the door about a kept-alive request before
+    # it waits for a thread (service.host.worker). A request it would let in is the
+    # door's to count in its thread; a refusal is counted here, as in a thread.
+    client = make_client(SMALL_MLP.replace(latency_budget_ms=1000, request_timeout_ms=1000))
+    door = client.application.extensions[EXTENSION]
+    assert not door.refusing(time.monotonic())
+    plain = {"REQUEST_METHOD": "POST", "PATH_INFO": "/predict/batched", "CONTENT_LENGTH": "30"}
+    assert door.check({**plain, ARRIVAL_ENVIRON_KEY: time.monotonic()}, ahead_of_thread=True) is None
+    metrics = Scrape.parse(client.get("/metrics").text)
+    assert metrics.total("serve_http_wait_before_handler_seconds_count") == 0
+
+    stale = {**plain, "HTTP_X_REQUEST_START": f"t={time.time() - 2:.3f}", "HTTP_X_REQUEST_ID": "abc-2"}
+    refusal = door.check(stale, ahead_of_thread=True)
+    assert refusal is not None
+    assert refusal.status == "503 Service Unavailable"
+    assert dict(refusal.headers)["Retry-After"] == "1" and dict(refusal.headers)["X-Request-ID"] == "abc-2"
+    assert "past the 1000 ms it may wait" in json.loads(refusal.body)["error"]
+    assert refusal.hold_s == 0.5  # its Retry-After, at most half the budget
+    assert door.refusing(time.monotonic())
+    metrics = Scrape.parse(client.get("/metrics").text)
+    assert metrics.total("serve_rejected_requests_total", reason="over_budget") == 1
+    assert metrics.total("serve_http_requests_total", code="503", route="/predict/batched") == 1
+    assert metrics.total("serve_http_wait_before_handler_seconds_count") == 1
