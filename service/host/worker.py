@@ -180,9 +180,8 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
             self.nr_conns -= 1
             conn.close()
             return True
-        if refusal.hold_s > 0:
-            conn.serve_hold_s = refusal.hold_s
-            conn.serve_refused_digest = digest(head.body)
+        conn.serve_hold_s = refusal.hold_s
+        conn.serve_refused_digest = digest(head.body) if refusal.hold_s > 0 else None
         self.finish_request(conn, KEPT_ALIVE)
         return True
 
