@@ -18,6 +18,7 @@ checked at the door before gunicorn parses it, and a refusal answered there.
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from typing import Any
@@ -26,6 +27,7 @@ from gevent import monkey
 from gevent.event import Event
 from gevent.local import local
 from gevent.socket import wait_read
+from gunicorn.http.body import LengthReader
 from gunicorn.workers.ggevent import GeventWorker as _GeventWorker
 
 from service.host.hold import HeldConnections, peek
@@ -48,6 +50,8 @@ from service.http.arrival import (
 )
 from service.http.request_head import read_head
 from service.http.resend import digest
+
+log = logging.getLogger(__name__)
 
 
 class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no type hints
@@ -124,17 +128,24 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
             door = self._door = door_of(self) or False
         if requests.next_at is None or door is False or not door.refusing(time.monotonic()):
             return False
-        if not self.alive or req.unreader.buf.getvalue():
+        if not self.alive or not _read_to_its_end(req):
             return False
-        head = read_head(sock.recv(PEEK_BYTES, socket.MSG_PEEK))  # it is in the socket: no wait
-        if head is None:
+        try:
+            head = read_head(sock.recv(PEEK_BYTES, socket.MSG_PEEK))  # it is in the socket: no wait
+            refusal = None
+            if head is not None:
+                environ: dict[str, Any] = {
+                    **head.environ,
+                    ARRIVAL_ENVIRON_KEY: kernel_arrival(requests.next_at, sock),
+                    FOLLOW_UP_ENVIRON_KEY: True,
+                    RETURNING_ENVIRON_KEY: requests.returning,
+                }
+                refusal = door.check(environ, ahead_of_thread=True)
+        except Exception:
+            # A request the check failed on is gunicorn's to read, and its error that request's alone.
+            log.exception("checking a request before gunicorn parses it failed; gunicorn reads it")
             return False
-        environ: dict[str, Any] = dict(head.environ)
-        environ[ARRIVAL_ENVIRON_KEY] = kernel_arrival(requests.next_at, sock)
-        environ[FOLLOW_UP_ENVIRON_KEY] = True
-        environ[RETURNING_ENVIRON_KEY] = requests.returning
-        refusal = door.check(environ, ahead_of_thread=True)
-        if refusal is None:
+        if head is None or refusal is None:
             return False
         taken = 0
         while taken < head.size:
@@ -215,6 +226,23 @@ class Lot:
                 # Counted now, not when its greenlet runs: a resend parking meanwhile
                 # must see the room this one takes.
                 self.in_transit.sent(now)
+
+
+def _read_to_its_end(req: Any) -> bool:
+    """Whether ``req``'s body was all read, so that the socket holds only what follows it.
+
+    gunicorn's gevent worker drains what is left of a body only when it reads the
+    next request; a body the service did not read to its end (past the lingering
+    close's bounds) would be read here as if it were that request.
+    """
+    body: Any = getattr(req, "body", None)
+    reader = getattr(body, "reader", None)
+    return (
+        isinstance(reader, LengthReader)
+        and reader.length == 0
+        and not body.buf.getvalue()
+        and not req.unreader.buf.getvalue()
+    )
 
 
 def _sent_at(entry: tuple[Event, float]) -> float:

@@ -35,6 +35,7 @@ SERVE_BALANCE_CONNECTIONS is on. Without one it accepts as gthread does.
 from __future__ import annotations
 
 import contextlib
+import logging
 import selectors
 import socket
 import threading
@@ -65,13 +66,15 @@ from service.http.arrival import (
     RETURNING_ENVIRON_KEY,
     WAITING_ENVIRON_KEY,
 )
-from service.http.request_head import read_head
+from service.http.request_head import RequestHead, read_head
 from service.http.resend import HELD_DIGEST_ENVIRON_KEY, REFUSED_DIGEST_ENVIRON_KEY, digest
 
 if TYPE_CHECKING:
+    from service.http.door import Refusal
     from service.runtime import ModelRuntime
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 # A request let in reaches a thread within milliseconds; one that has not after
 # this long never will (its client hung up), and no longer takes room.
 IN_TRANSIT_TTL_S = 1.0
@@ -83,6 +86,10 @@ WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ships no type hints
     balance: Balance | None = None
     nr_conns: int  # gthread's count of the connections it holds open
+    nr: int  # requests answered, toward max_requests
+    max_requests: int
+    max_keepalived: int
+    keepalived_conns: deque[Any]
     poller: selectors.BaseSelector
     _configured_connections: int
     wsgi: Any
@@ -145,20 +152,34 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
             data = conn.sock.recv(PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except OSError:
             return False
-        head = read_head(data)
-        if head is None:
+        try:
+            head = read_head(data)
+            refusal = None if head is None else door.check(self._environ(conn, head), ahead_of_thread=True)
+        except Exception:
+            # Nothing a request sends may stop the event loop: a request the loop could
+            # not check goes to a thread, where an error is that request's alone.
+            log.exception("checking a request in the event loop failed; a request thread takes it")
             return False
-        environ: dict[str, Any] = dict(head.environ)
-        arrived = kernel_arrival(conn.serve_arrived, conn.sock)
-        environ[ARRIVAL_ENVIRON_KEY] = arrived
-        environ[FOLLOW_UP_ENVIRON_KEY] = conn.serve_requests > 1
-        environ[WAITING_ENVIRON_KEY] = len(self._waiting)
+        if head is None or refusal is None:
+            return False
+        self._answer_refusal(conn, head, refusal)
+        return True
+
+    def _environ(self, conn: Any, head: RequestHead) -> dict[str, Any]:
+        """The request's line and headers, and the worker's stamps, as a request thread's environ has them."""
+        environ: dict[str, Any] = {
+            **head.environ,
+            ARRIVAL_ENVIRON_KEY: kernel_arrival(conn.serve_arrived, conn.sock),
+            FOLLOW_UP_ENVIRON_KEY: conn.serve_requests > 1,
+            WAITING_ENVIRON_KEY: len(self._waiting),
+        }
         returning = getattr(conn, "serve_returning", None)
         if returning:
             environ[RETURNING_ENVIRON_KEY] = returning
-        refusal = door.check(environ, ahead_of_thread=True)
-        if refusal is None:
-            return False
+        return environ
+
+    def _answer_refusal(self, conn: Any, head: RequestHead, refusal: Refusal) -> None:
+        """Take the refused request off the socket, answer it and hold (or keep) its connection."""
         # Refused again: no thread will take it, so it is no longer in transit or returning.
         conn.serve_returning = None
         if getattr(conn, "serve_in_transit", False):
@@ -169,21 +190,18 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
             if len(taken) != head.size:
                 raise ConnectionError("the peeked request changed")  # cannot happen on a stream socket
             answer = answer_bytes(refusal.status, refusal.headers, refusal.body)
-            try:
-                sent = conn.sock.send(answer, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                sent = 0
-            if sent < len(answer):  # a full send buffer, rare for a few hundred bytes
-                conn.sock.setblocking(True)
-                conn.sock.sendall(answer[sent:])
+            if conn.sock.send(answer, socket.MSG_DONTWAIT) < len(answer):
+                # Its send buffer is full: a client that sends and does not read. The
+                # loop never waits on one client, so the connection closes.
+                raise ConnectionError("the client is not reading its answers")
         except OSError:
             self.nr_conns -= 1
             conn.close()
-            return True
+            return
+        self.nr += 1  # toward max_requests, as a request a thread answers
         conn.serve_hold_s = refusal.hold_s
         conn.serve_refused_digest = digest(head.body) if refusal.hold_s > 0 else None
         self.finish_request(conn, KEPT_ALIVE)
-        return True
 
     def _plain_keep_alive(self, conn: Any) -> bool:
         """Whether ``conn`` is a kept-alive HTTP/1.1 connection whose next request only its socket holds.
@@ -193,7 +211,11 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         """
         if not self.alive or not conn.initialized or conn.parser is None or conn.is_http2 or self.cfg.is_ssl:
             return False
-        return not conn.parser.unreader.buf.getvalue()
+        # Where gunicorn would answer "Connection: close" (keep-alive off or at its
+        # limit, the worker's last request before max_requests), its thread answers.
+        if not self.cfg.keepalive or len(self.keepalived_conns) >= self.max_keepalived:
+            return False
+        return self.nr + 1 < self.max_requests and not conn.parser.unreader.buf.getvalue()
 
     def handle(self, conn: Any) -> Any:
         with contextlib.suppress(IndexError):

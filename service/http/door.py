@@ -284,9 +284,19 @@ class Door:
         return Refusal(f"{status} Service Unavailable", headers, body, hold_s)
 
 
+# Past this many digits a header's number is not sane (and int() refuses past 4,300).
+_MAX_DIGITS = 15
+
+
+def _number(raw: str | None) -> int | None:
+    """A header's whole number, or None when it is not one of at most _MAX_DIGITS digits."""
+    if raw and raw.isascii() and raw.isdigit() and len(raw) <= _MAX_DIGITS:
+        return int(raw)
+    return None
+
+
 def _content_length(environ: dict[str, Any]) -> int | None:
-    raw = environ.get("CONTENT_LENGTH")
-    return int(raw) if raw and raw.isascii() and raw.isdigit() else None
+    return _number(environ.get("CONTENT_LENGTH"))
 
 
 def _deadline_s(environ: dict[str, Any], timeout_ms: int) -> float:
@@ -294,7 +304,7 @@ def _deadline_s(environ: dict[str, Any], timeout_ms: int) -> float:
 
     A header that is not a positive integer is the route's to refuse (400); here it is ignored.
     """
-    raw = environ.get(TIMEOUT_ENVIRON_KEY)
-    if raw is not None and raw.isascii() and raw.isdigit() and int(raw) > 0:
-        timeout_ms = min(timeout_ms, int(raw))
+    asked = _number(environ.get(TIMEOUT_ENVIRON_KEY))
+    if asked:
+        timeout_ms = min(timeout_ms, asked)
     return timeout_ms / 1000

@@ -7,16 +7,25 @@ environ. That is worth it only for the common case, so this reads only what
 needs no judgement: one request, its line, headers and ``Content-Length``
 body all in the buffer. Anything else (chunked bodies, ``Expect``,
 ``Connection: close``, HTTP/1.0, escaped paths, folded or odd header lines,
-header names with underscores, which gunicorn drops) is None, and the request
-goes the usual way, where gunicorn's parser and its rules apply.
+control characters or a lone CR or LF, header names with underscores, which
+gunicorn drops) is None, and the request goes the usual way, where gunicorn's
+parser and its rules apply: the two must never disagree on where a request ends.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-# Heads longer than this go the usual way (gunicorn's own limits then apply).
-MAX_HEAD_BYTES = 8192
+# Heads longer than this, or with more header lines, go the usual way (gunicorn's
+# own limits then apply: 4,094 bytes a request line, 100 headers).
+MAX_HEAD_BYTES = 4096
+MAX_HEADERS = 100
+# Longer digit strings are not a plain Content-Length (and int() refuses past 4,300 digits).
+MAX_LENGTH_DIGITS = 15
+# A control character, or a CR or LF that is not part of a CRLF: gunicorn answers
+# 400 and closes; left to it, so that the two never disagree on where a request ends.
+_NOT_PLAIN_BYTES = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n")
 _TOKEN = frozenset(b"!#$%&'*+-.^`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 # Headers whose presence means more than a plain request: left to gunicorn.
 _NOT_PLAIN = frozenset({"TRANSFER_ENCODING", "EXPECT", "UPGRADE"})
@@ -35,16 +44,14 @@ class RequestHead:
 def read_head(data: bytes) -> RequestHead | None:
     """The request at the start of ``data``, if it is whole and plain; None otherwise."""
     end = data.find(b"\r\n\r\n", 0, MAX_HEAD_BYTES)
-    if end < 0:
-        return None
-    lines = data[:end].split(b"\r\n")
-    environ = _request_line(lines[0])
+    lines = data[:end].split(b"\r\n") if end >= 0 and not _NOT_PLAIN_BYTES.search(data, 0, end) else []
+    environ = _request_line(lines[0]) if 1 <= len(lines) <= MAX_HEADERS + 1 else None
     if environ is None or not _add_headers(environ, lines[1:]):
         return None
     if "close" in environ.get("HTTP_CONNECTION", "").lower():
         return None  # the answer must close the connection: gunicorn's way
     length_text = environ.get("CONTENT_LENGTH", "0")
-    if not (length_text.isascii() and length_text.isdigit()):
+    if not (length_text.isascii() and length_text.isdigit() and len(length_text) <= MAX_LENGTH_DIGITS):
         return None
     start = end + 4
     size = start + int(length_text)

@@ -218,3 +218,12 @@ def test_the_event_loops_check_counts_only_what_it_refuses(
     assert metrics.total("serve_rejected_requests_total", reason="over_budget") == 1
     assert metrics.total("serve_http_requests_total", code="503", route="/predict/batched") == 1
     assert metrics.total("serve_http_wait_before_handler_seconds_count") == 1
+
+
+def test_a_deadline_header_of_thousands_of_digits_is_the_routes_400_not_an_error(
+    make_client: Callable[[Settings], FlaskClient],
+) -> None:
+    client = make_client(SMALL_MLP.replace(latency_budget_ms=1000))
+    response = client.post("/predict/batched", json=BODY, headers={"X-Request-Timeout-Ms": "9" * 5000})
+    assert response.status_code == 400, response.text
+    assert "X-Request-Timeout-Ms must be a positive integer" in response.json["error"]

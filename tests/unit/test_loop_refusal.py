@@ -21,11 +21,12 @@ from typing import Any
 import pytest
 
 from service.host.hold import HeldConnections
-from service.host.worker import BalancedThreadWorker, InTransit
+from service.host.worker import KEPT_ALIVE, BalancedThreadWorker, InTransit
 from service.http.arrival import (
     ARRIVAL_ENVIRON_KEY,
     FOLLOW_UP_ENVIRON_KEY,
     HELD_OUT,
+    LET_IN,
     RETURNING_ENVIRON_KEY,
     WAITING_ENVIRON_KEY,
 )
@@ -52,9 +53,10 @@ REFUSAL = Refusal(
 
 
 class StandInDoor:
-    def __init__(self, refusing: bool, refusal: Refusal | None) -> None:
+    def __init__(self, refusing: bool, refusal: Refusal | None, fails: bool = False) -> None:
         self._refusing = refusing
         self._refusal = refusal
+        self._fails = fails
         self.checked: list[dict[str, Any]] = []
         self.ahead_of_thread: list[bool] = []
 
@@ -64,6 +66,8 @@ class StandInDoor:
     def check(self, environ: dict[str, Any], *, ahead_of_thread: bool = False) -> Refusal | None:
         self.checked.append(dict(environ))
         self.ahead_of_thread.append(ahead_of_thread)
+        if self._fails:
+            raise ValueError("a request the check cannot take")
         return self._refusal
 
 
@@ -72,6 +76,7 @@ def worker(door: StandInDoor) -> Any:
     made._door = door
     made.alive = True
     made.cfg = SimpleNamespace(is_ssl=False, keepalive=2)
+    made.nr, made.max_requests, made.max_keepalived = 0, 1000, 100
     made.poller = selectors.DefaultSelector()
     made.keepalived_conns = deque()
     made._held = HeldConnections()
@@ -138,6 +143,7 @@ def test_a_refusal_is_answered_and_its_connection_held_without_a_thread(
     assert conn.serve_refused_digest == digest(BODY)
     assert loop.poller.get_key(served) is not None
     assert len(loop._waiting) == 3  # no request thread was asked for
+    assert loop.nr == 1  # counted toward max_requests
 
 
 def test_with_holds_off_a_refused_connection_goes_back_to_the_poller(
@@ -192,6 +198,8 @@ def test_a_request_the_door_would_let_in_stays_in_the_socket_for_its_thread(
         pytest.param(True, REQUEST, "read ahead", id="bytes in gunicorn's buffer"),
         pytest.param(True, REQUEST, "new", id="a new connection"),
         pytest.param(True, REQUEST, "stopping", id="the worker is stopping"),
+        pytest.param(True, REQUEST, "last request", id="the worker's last before max_requests"),
+        pytest.param(True, REQUEST, "keep-alive full", id="gunicorn would close the connection"),
     ],
 )
 def test_what_the_loop_does_not_check_goes_to_a_thread_untouched(
@@ -206,7 +214,91 @@ def test_what_the_loop_does_not_check_goes_to_a_thread_untouched(
         conn.initialized, conn.parser = False, None
     elif setup == "stopping":
         loop.alive = False
+    elif setup == "last request":
+        loop.nr = loop.max_requests - 1
+    elif setup == "keep-alive full":
+        loop.max_keepalived = 0
     sent(client, data)
     assert loop._refused_here(conn) is False
     assert door.checked == []
     assert served.recv(len(data) + 10, socket.MSG_PEEK) == data
+
+
+def test_a_check_that_fails_leaves_the_request_to_a_thread_and_the_loop_running(
+    connected: tuple[socket.socket, socket.socket],
+) -> None:
+    client, served = connected
+    loop, conn = worker(StandInDoor(refusing=True, refusal=REFUSAL, fails=True)), kept_alive(served)
+    sent(client, REQUEST)
+    assert loop._refused_here(conn) is False  # no exception reaches the event loop
+    assert served.recv(len(REQUEST) + 10, socket.MSG_PEEK) == REQUEST
+
+
+class FullSendBuffer:
+    """The served socket of a client that sends and does not read: its send buffer takes a byte."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.closed = False
+
+    def recv(self, *args: Any) -> bytes:
+        return self._sock.recv(*args)
+
+    def send(self, data: bytes, flags: int = 0) -> int:
+        return 1
+
+    def setblocking(self, flag: bool) -> None:
+        raise AssertionError("the event loop must not block on one client")
+
+    def getsockopt(self, *args: Any) -> Any:
+        return self._sock.getsockopt(*args)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_client_that_does_not_read_is_closed_not_waited_for(
+    connected: tuple[socket.socket, socket.socket],
+) -> None:
+    client, served = connected
+    loop = worker(StandInDoor(refusing=True, refusal=REFUSAL))
+    full = FullSendBuffer(served)
+    conn = kept_alive(served)
+    conn.sock, conn.close = full, full.close
+    sent(client, REQUEST)
+    assert loop._refused_here(conn) is True
+    assert full.closed and loop.nr_conns == 0
+    assert len(loop._held) == 0
+
+
+def test_a_held_connection_whose_resend_arrived_goes_straight_to_its_check(
+    connected: tuple[socket.socket, socket.socket],
+) -> None:
+    _, served = connected
+    loop, conn = worker(StandInDoor(refusing=False, refusal=None)), kept_alive(served)
+    loop._in_transit = InTransit()
+    enqueued: list[Any] = []
+    loop.enqueue_req = enqueued.append  # the poller is not asked to say what is known
+    conn.serve_held, conn.serve_sent_at = "sent", 5.0
+    loop._let_go(conn, KEPT_ALIVE, LET_IN)
+    assert enqueued == [conn]
+    assert conn.serve_returning == LET_IN and conn.serve_held_since == 5.0
+    assert loop.poller.get_map() == {} and list(loop.keepalived_conns) == []
+    assert loop._in_transit.count(time.monotonic()) == 1
+
+
+def test_gevent_checks_what_follows_a_request_only_once_its_body_was_all_read() -> None:
+    # gunicorn's gevent worker drains a body's unread rest only when it reads the
+    # next request; until then the socket's next bytes may be that rest.
+    from gunicorn.http.body import Body, ChunkedReader, LengthReader
+
+    from service.host.gevent_worker import _read_to_its_end
+
+    def request(body: Body, buffered: bytes = b"") -> Any:
+        return SimpleNamespace(body=body, unreader=SimpleNamespace(buf=io.BytesIO(buffered)))
+
+    unreader = SimpleNamespace(buf=io.BytesIO())
+    assert _read_to_its_end(request(Body(LengthReader(unreader, 0))))
+    assert not _read_to_its_end(request(Body(LengthReader(unreader, 12))))  # 12 bytes of it unread
+    assert not _read_to_its_end(request(Body(LengthReader(unreader, 0)), buffered=b"POST"))
+    assert not _read_to_its_end(request(Body(ChunkedReader(SimpleNamespace(), unreader))))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.http.request_head import MAX_HEAD_BYTES, read_head
+from service.http.request_head import MAX_HEAD_BYTES, MAX_HEADERS, read_head
 
 BODY = b'{"inputs": ["a"]}'
 
@@ -32,6 +32,11 @@ def test_a_whole_request_gives_its_environ_body_and_size() -> None:
     }
     assert head.body == BODY
     assert head.size == len(data)
+
+
+def test_tabs_in_values_and_a_hundred_headers_are_plain() -> None:
+    head = read_head(request(b"POST /p HTTP/1.1\r\nX-A: a\tb\r\n" + b"X-B: b\r\n" * (MAX_HEADERS - 2)))
+    assert head is not None and head.environ["HTTP_X_A"] == "a\tb"
 
 
 def test_repeated_headers_are_joined_as_wsgi_joins_them() -> None:
@@ -65,6 +70,15 @@ def test_a_request_without_a_body_is_whole_at_its_blank_line() -> None:
         pytest.param(request(b"POST /p HTTP/1.1\r\nContent-Length: 3\r\n"), id="two lengths"),
         pytest.param(b"POST /p HTTP/1.1\r\nContent-Length: -1\r\n\r\n", id="negative length"),
         pytest.param(b"POST /p HTTP/1.1\r\nX-Long: " + b"a" * MAX_HEAD_BYTES + b"\r\n\r\n", id="long head"),
+        pytest.param(request(b"POST /p HTTP/1.1\r\nX-A: a\nContent-Length: 5\r\n"), id="bare LF"),
+        pytest.param(request(b"POST /p HTTP/1.1\r\nX-A: a\rb\r\n"), id="bare CR"),
+        pytest.param(request(b"POST /p HTTP/1.1\r\nX-A: a\x00b\r\n"), id="NUL in a value"),
+        pytest.param(request(b"POST /p HTTP/1.1\r\nX-A: a\x7fb\r\n"), id="DEL in a value"),
+        pytest.param(request(b"POST /p\x01 HTTP/1.1\r\n"), id="control in the path"),
+        pytest.param(b"POST /p HTTP/1.1\r\nContent-Length: " + b"0" * 5000 + b"\r\n\r\n", id="5000 digits"),
+        pytest.param(
+            request(b"POST /p HTTP/1.1\r\n" + b"X-A: a\r\n" * (MAX_HEADERS + 1)), id="too many headers"
+        ),
     ],
 )
 def test_anything_not_whole_and_plain_is_left_to_gunicorns_parser(data: bytes) -> None:
