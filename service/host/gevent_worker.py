@@ -18,7 +18,6 @@ checked at the door before gunicorn parses it, and a refusal answered there.
 
 from __future__ import annotations
 
-import logging
 import socket
 import time
 from typing import Any
@@ -37,6 +36,7 @@ from service.host.worker import (
     InTransit,
     StampedApp,
     answer_bytes,
+    check_ahead,
     kernel_arrival,
     room_test,
     take_refused_digest,
@@ -48,10 +48,7 @@ from service.http.arrival import (
     LET_IN,
     RETURNING_ENVIRON_KEY,
 )
-from service.http.request_head import read_head
 from service.http.resend import digest
-
-log = logging.getLogger(__name__)
 
 
 class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no type hints
@@ -130,23 +127,16 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
             return False
         if not self.alive or not _read_to_its_end(req):
             return False
-        try:
-            head = read_head(sock.recv(PEEK_BYTES, socket.MSG_PEEK))  # it is in the socket: no wait
-            refusal = None
-            if head is not None:
-                environ: dict[str, Any] = {
-                    **head.environ,
-                    ARRIVAL_ENVIRON_KEY: kernel_arrival(requests.next_at, sock),
-                    FOLLOW_UP_ENVIRON_KEY: True,
-                    RETURNING_ENVIRON_KEY: requests.returning,
-                }
-                refusal = door.check(environ, ahead_of_thread=True)
-        except Exception:
-            # A request the check failed on is gunicorn's to read, and its error that request's alone.
-            log.exception("checking a request before gunicorn parses it failed; gunicorn reads it")
+        stamps = {
+            ARRIVAL_ENVIRON_KEY: kernel_arrival(requests.next_at, sock),
+            FOLLOW_UP_ENVIRON_KEY: True,
+            RETURNING_ENVIRON_KEY: requests.returning,
+        }
+        # Its request is in the socket: the peek does not wait.
+        refused = check_ahead(door, sock.recv(PEEK_BYTES, socket.MSG_PEEK), stamps)
+        if refused is None:
             return False
-        if head is None or refusal is None:
-            return False
+        head, refusal = refused
         taken = 0
         while taken < head.size:
             chunk = sock.recv(head.size - taken)

@@ -152,31 +152,17 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
             data = conn.sock.recv(PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except OSError:
             return False
-        try:
-            head = read_head(data)
-            refusal = None if head is None else door.check(self._environ(conn, head), ahead_of_thread=True)
-        except Exception:
-            # Nothing a request sends may stop the event loop: a request the loop could
-            # not check goes to a thread, where an error is that request's alone.
-            log.exception("checking a request in the event loop failed; a request thread takes it")
-            return False
-        if head is None or refusal is None:
-            return False
-        self._answer_refusal(conn, head, refusal)
-        return True
-
-    def _environ(self, conn: Any, head: RequestHead) -> dict[str, Any]:
-        """The request's line and headers, and the worker's stamps, as a request thread's environ has them."""
-        environ: dict[str, Any] = {
-            **head.environ,
+        stamps = {
             ARRIVAL_ENVIRON_KEY: kernel_arrival(conn.serve_arrived, conn.sock),
             FOLLOW_UP_ENVIRON_KEY: conn.serve_requests > 1,
             WAITING_ENVIRON_KEY: len(self._waiting),
+            RETURNING_ENVIRON_KEY: getattr(conn, "serve_returning", None),
         }
-        returning = getattr(conn, "serve_returning", None)
-        if returning:
-            environ[RETURNING_ENVIRON_KEY] = returning
-        return environ
+        refused = check_ahead(door, data, stamps)
+        if refused is None:
+            return False
+        self._answer_refusal(conn, *refused)
+        return True
 
     def _answer_refusal(self, conn: Any, head: RequestHead, refusal: Refusal) -> None:
         """Take the refused request off the socket, answer it and hold (or keep) its connection."""
@@ -330,6 +316,24 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
     def _woken(self, _fd: Any) -> None:
         if self.balance is not None:  # registered only with one
             self.balance.woken()
+
+
+def check_ahead(door: Any, data: bytes, stamps: dict[str, Any]) -> tuple[RequestHead, Refusal] | None:
+    """The request at the start of ``data`` and the door's refusal of it, checked before a worker parses it.
+
+    None where the door lets it in, or where it is not whole and plain
+    (service.http.request_head): the worker then reads it as it always does.
+    ``stamps``: what the worker puts into a request's environ (its arrival, and so on).
+    """
+    try:
+        head = read_head(data)
+        refusal = None if head is None else door.check({**head.environ, **stamps}, ahead_of_thread=True)
+    except Exception:
+        # Nothing a request sends may stop a worker's event loop: one the check
+        # failed on is read the usual way, where an error is that request's alone.
+        log.exception("checking a request before it was parsed failed; it is read the usual way")
+        return None
+    return None if head is None or refusal is None else (head, refusal)
 
 
 def _kept_alive() -> Future[Any]:

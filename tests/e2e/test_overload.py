@@ -122,10 +122,20 @@ def test_a_refused_request_with_a_large_body_leaves_its_connection_usable(worker
 def test_a_kept_alive_request_refused_while_the_door_refuses_gets_the_doors_answer(worker_class: str) -> None:
     # Once the door has refused, gthread's event loop checks kept-alive requests
     # itself and answers refusals without a request thread (service.host.worker);
-    # gevent's door answers them in their greenlets. Either way the answer is the
+    # gevent checks a request that arrives during a hold before gunicorn parses it,
+    # and its door answers the others in their greenlets. Either way the answer is the
     # door's: the route's error shape, Retry-After, the client's request id, the
     # connection kept, held, and then serving the client's next request.
     stale = b"X-Request-Start: t=%.3f\r\n" % (time.time() - 60)  # past the 30 s deadline
+    openai_body = b'{"input": "a sentence", "model": "sleepy"}'
+
+    def post(sock: socket.socket, path: bytes, body: bytes, headers: bytes = b"") -> tuple[bytes, bytes]:
+        sock.sendall(
+            b"POST %s HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n%s"
+            b"Content-Length: %d\r\n\r\n%s" % (path, headers, len(body), body)
+        )
+        return read_response(sock)
+
     with (
         gunicorn({**OVERLOAD, "SERVE_WORKER_CLASS": worker_class}) as server,
         socket.create_connection(("127.0.0.1", server.port), timeout=30) as first,
@@ -133,22 +143,10 @@ def test_a_kept_alive_request_refused_while_the_door_refuses_gets_the_doors_answ
     ):
         kept.sendall(b"GET /readyz HTTP/1.1\r\nHost: test\r\n\r\n")
         assert read_response(kept)[0].startswith(b"HTTP/1.1 200")
-        first.sendall(
-            b"POST /predict/batched HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-            + stale
-            + b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
-        )
-        first_head, _ = read_response(first)
+        first_head, _ = post(first, b"/predict/batched", BODY, stale)
         assert first_head.startswith(b"HTTP/1.1 503"), first_head
 
-        openai_body = b'{"input": "a sentence", "model": "sleepy"}'
-        kept.sendall(
-            b"POST /v1/embeddings HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-            + stale
-            + b"X-Request-ID: e2e-kept-42\r\nContent-Length: %d\r\n\r\n%s" % (len(openai_body), openai_body)
-        )
-        head, body = read_response(kept)
-        refused_at = time.monotonic()
+        head, body = post(kept, b"/v1/embeddings", openai_body, stale + b"X-Request-ID: e2e-kept-42\r\n")
         assert head.startswith(b"HTTP/1.1 503"), head
         fields = dict(
             (name.strip().lower(), value.strip())
@@ -164,23 +162,16 @@ def test_a_kept_alive_request_refused_while_the_door_refuses_gets_the_doors_answ
 
         # Sent again during its hold, still stale: refused again, with the same answer
         # (gevent checks it at the door before gunicorn parses it), and held again.
-        kept.sendall(
-            b"POST /v1/embeddings HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-            + stale
-            + b"X-Request-ID: e2e-kept-43\r\nContent-Length: %d\r\n\r\n%s" % (len(openai_body), openai_body)
+        again, again_body = post(
+            kept, b"/v1/embeddings", openai_body, stale + b"X-Request-ID: e2e-kept-43\r\n"
         )
-        again, again_body = read_response(kept)
         assert again.startswith(b"HTTP/1.1 503"), again
         assert b"X-Request-ID: e2e-kept-43" in again
         assert json.loads(again_body)["error"]["type"] == error["type"]
         refused_at = time.monotonic()
 
         # Held for its hold (half the 1 s budget at most), then the connection serves the next request.
-        kept.sendall(
-            b"POST /predict/batched HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
-        )
-        head, body = read_response(kept)
+        head, body = post(kept, b"/predict/batched", BODY)
         assert head.startswith(b"HTTP/1.1 200"), head
         assert json.loads(body)["outputs"]
         assert time.monotonic() - refused_at < 2.0
