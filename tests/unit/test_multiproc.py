@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from service.config.settings import Settings
@@ -44,3 +47,41 @@ def test_mark_dead_drops_only_the_live_gauges(tmp_path: Path) -> None:
 def test_settings_read_prometheus_multiproc_dir() -> None:
     assert Settings.from_env({}).prometheus_multiproc_dir is None
     assert Settings.from_env({"PROMETHEUS_MULTIPROC_DIR": "/run/m"}).prometheus_multiproc_dir == "/run/m"
+
+
+FORKED_WRITES = """
+import os, sys
+from service.host import multiproc
+multiproc.import_client()
+from prometheus_client import CollectorRegistry, Counter, multiprocess
+counter = Counter("forked_writes", "writes", registry=None)
+counter.inc()
+child = os.fork()
+if child == 0:
+    ok = multiproc.current_pid() == os.getpid()
+    counter.inc(2)
+    os._exit(0 if ok else 3)
+_, status = os.waitpid(child, 0)
+assert os.waitstatus_to_exitcode(status) == 0, "the child's pid was not its own"
+assert multiproc.current_pid() == os.getpid()
+counter.inc(4)
+registry = CollectorRegistry()
+multiprocess.MultiProcessCollector(registry)
+print(sorted(os.listdir(os.environ["PROMETHEUS_MULTIPROC_DIR"])) == sorted(
+    [f"counter_{os.getpid()}.db", f"counter_{child}.db"]), registry.get_sample_value("forked_writes_total"))
+"""
+
+
+def test_metric_writes_after_a_fork_go_to_the_childs_own_file(tmp_path: Path) -> None:
+    # A fresh interpreter: prometheus_client picks its mode when first imported.
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", FORKED_WRITES],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "7.0"]
