@@ -8,24 +8,16 @@ imported.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from service.host.pid import current_pid
 
 # Directories this process created, removed by cleanup(). Kept here rather than
 # in gunicorn_conf.py because gunicorn re-executes its config file on every
 # reload (SIGHUP), which would forget them; this module is imported once.
 _created: list[Path] = []
-
-# This process's id, as os.getpid() gives it, kept up to date across forks.
-_pid = [os.getpid()]
-os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
-
-
-def current_pid() -> int:
-    """os.getpid() without its system call: prometheus_client asks before every metric write."""
-    return _pid[0]
 
 
 def prepare(path: str | None, prefix: str = "serve-metrics-") -> str:
@@ -60,7 +52,7 @@ def import_client() -> None:
         )
     # Each write first checks whether the process forked since (its file is the
     # pid's): with os.getpid that is a system call, a tenth of a worker's
-    # metrics time. The pid kept by a fork hook answers the same.
+    # metrics time (service.host.pid).
     values.ValueClass = values.MultiProcessValue(current_pid)  # type: ignore[no-untyped-call]
 
 

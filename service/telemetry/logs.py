@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from datetime import UTC, datetime
 from typing import IO, Any
 
 from service.batching import native
+from service.host.pid import current_pid
 
 ACCESS_LOGGER = "service.access"
 
@@ -83,7 +83,7 @@ class LineWriter(logging.Handler):
     def handle(self, record: logging.LogRecord) -> bool:
         if not self.filter(record):
             return False
-        if self._pid != os.getpid():
+        if self._pid != current_pid():
             self._start()
         if self._queue.qsize() >= self.MAX_QUEUED:
             self._dropped += 1  # under the GIL; a lost count now and then is no harm
@@ -95,7 +95,7 @@ class LineWriter(logging.Handler):
         self.handle(record)
 
     def flush(self) -> None:
-        if self._pid != os.getpid():
+        if self._pid != current_pid():
             return  # nothing was queued in this process
         done = native.allocate_lock()
         done.acquire()
@@ -104,10 +104,10 @@ class LineWriter(logging.Handler):
 
     def _start(self) -> None:
         with self._start_lock:
-            if self._pid == os.getpid():
+            if self._pid == current_pid():
                 return
             self._queue = native.SimpleQueue()
-            self._pid = os.getpid()
+            self._pid = current_pid()
             native.start_thread(self._write_forever)
 
     def _write_forever(self) -> None:

@@ -52,18 +52,19 @@ def test_settings_read_prometheus_multiproc_dir() -> None:
 FORKED_WRITES = """
 import os, sys
 from service.host import multiproc
+from service.host.pid import current_pid
 multiproc.import_client()
 from prometheus_client import CollectorRegistry, Counter, multiprocess
 counter = Counter("forked_writes", "writes", registry=None)
 counter.inc()
 child = os.fork()
 if child == 0:
-    ok = multiproc.current_pid() == os.getpid()
+    ok = current_pid() == os.getpid()
     counter.inc(2)
     os._exit(0 if ok else 3)
 _, status = os.waitpid(child, 0)
 assert os.waitstatus_to_exitcode(status) == 0, "the child's pid was not its own"
-assert multiproc.current_pid() == os.getpid()
+assert current_pid() == os.getpid()
 counter.inc(4)
 registry = CollectorRegistry()
 multiprocess.MultiProcessCollector(registry)
