@@ -10,15 +10,6 @@
 #   batch takes it: small requests first within half a batch (the express
 #   lane), then bulk requests in arrival order; a request larger than a batch
 #   runs in parts, a batch at a time (Part), and is answered after its last.
-# - A model cheaper to call than the hand-off (a call under RUN_HERE_BELOW_S, as
-#   measured; a small MLP, a stand-in model) is called by the request's own
-#   thread when nothing is queued and no batch runs (_run_here): with nothing to
-#   batch it with, waking the batch thread and being woken by it would cost the
-#   request more CPU than its call. Whoever gathers and runs a batch holds the
-#   runner lock, so the batch thread and such a request never run at once, and
-#   a request that arrives meanwhile is queued for the batch thread as before.
-#   A model measured slower than that (any transformer) always goes through the
-#   batch thread, as does everything before the first batch is timed.
 # - Every future it takes gets a result or an exception, whatever the model does;
 #   cancelled futures are skipped, expired ones fail before inference. If a batch
 #   fails, its requests are re-run one by one so only the culprit fails.
@@ -72,11 +63,6 @@ from service.outputs import check_count, client_error, first_non_finite
 log = logging.getLogger(__name__)
 
 _STOP = object()
-_NOTHING = object()  # _first: nothing taken from the queue, the waiting list starts the batch
-# A model whose calls take less than this is called by the request's own thread
-# when nothing else is queued (Batcher._run_here): a hand-off to the batch
-# thread and back costs about 0.1 ms of CPU, two thread switches, more than the call.
-RUN_HERE_BELOW_S = 0.0002
 # The express lane takes requests of at most max_batch_size // EXPRESS_SHARE items
 # (8 of the default 64): a query or a few texts, not an indexing job's batch.
 EXPRESS_SHARE = 8
@@ -101,10 +87,8 @@ class Batcher:
         express_items: int | None = None,
         pace: Pace | None = None,
         model_time: ModelTime | None = None,
-        run_here_below_s: float = 0.0,
     ) -> None:
         self._predict = predict
-        self._run_here_below_s = run_here_below_s
         self._sizer = sizer
         # No budget: a sub-batch is bounded by max_batch_size alone.
         self._max_tokens = max_tokens if max_tokens is not None else 1 << 62
@@ -132,7 +116,7 @@ class Batcher:
         self._depth_stale = False
         self._reporting = native.allocate_lock()  # held by the one thread writing the depth (_report_depth)
         self._accepting = True
-        # Taken from the queue and not yet wholly into a batch, in arrival order; the runner's alone.
+        # Taken from the queue and not yet wholly into a batch, in arrival order; the batch thread's alone.
         self._waiting: list[Pending] = []
         self._draining = False  # the stop sentinel was reached: end once _waiting is empty
         # Requests inside their handlers now, and the most there were since the
@@ -143,10 +127,6 @@ class Batcher:
         self._model_time_s = 0.0
         self._exited = native.allocate_lock()
         self._batch: list[Part] = []  # the batch being run, for abandon()
-        # Held by whoever gathers and runs a batch: the batch thread, or a request
-        # thread running its own cheap call (_run_here). It guards _waiting,
-        # _draining, _batch and the cost model, which only that holder touches.
-        self._runner = native.allocate_lock()
         self.running = False
         # Watchdog inputs: when the current batch started (None when idle), and
         # what ended the thread if something other than stop() did.
@@ -210,9 +190,6 @@ class Batcher:
         expect of a body (Gate.estimate_items). ``waiting``: the requests still
         waiting for a thread when it got its own (gthread; admission.Pace).
         Refused too large for its deadline even alone: 413 (PayloadTooLarge).
-        A model cheaper to call than a hand-off is called here, in the
-        caller's thread, when nothing else waits (_run_here): the returned
-        request is then already answered.
         """
         # Sized here, in the request thread, so the batch thread only sorts.
         sizes = None if self._sizer is None else [self._sizer(item) for item in items]
@@ -238,8 +215,7 @@ class Batcher:
         # Runs in whichever thread completes the future: the batch thread, the
         # watchdog, or the caller cancelling it. None of them holds _lock then.
         pending.future.add_done_callback(lambda _: self.gate.answered(pending))
-        if not self._run_here(pending):
-            self._queue.put(pending)
+        self._queue.put(pending)
         return pending
 
     def start(self) -> None:
@@ -297,14 +273,14 @@ class Batcher:
 
     def run(self) -> None:
         try:
-            while True:
-                first = self._first()
-                with self._runner:
-                    batch = self._gather(first)
-                    if batch is None:
-                        return
-                    if batch:
-                        self._run_one(batch)
+            while (batch := self._gather()) is not None:
+                self._batch = batch
+                self.busy_since = time.monotonic()
+                try:
+                    self._run_batch(batch)
+                finally:
+                    self.busy_since = None
+                    self._batch = []
         except BaseException as exc:
             self.crash = type(exc).__name__
             log.exception("batch thread crashed")
@@ -313,42 +289,6 @@ class Batcher:
             self.running = False
             if self._exited.locked():
                 self._exited.release()
-
-    def _run_one(self, batch: list[Part]) -> None:
-        self._batch = batch
-        self.busy_since = time.monotonic()
-        try:
-            self._run_batch(batch)
-        finally:
-            self.busy_since = None
-            self._batch = []
-
-    def _run_here(self, pending: Pending) -> bool:
-        """Run ``pending`` in the calling thread if a hand-off would cost more than its call; True if it ran.
-
-        Only when the model's calls are cheaper than ``run_here_below_s`` (0,
-        the default: never; the service passes RUN_HERE_BELOW_S), the
-        request fits one batch, and nothing else waits or runs: then there is
-        nothing to batch it with, and the batch thread, woken for it, would only
-        add two thread switches. A request that arrives meanwhile is queued for
-        the batch thread, which runs it once this call ends (the runner lock).
-        """
-        if not (
-            0 < self._model_time_s < self._run_here_below_s
-            and len(pending.items) <= self._max_batch_size
-            and self._policy.delay_s <= 0
-        ):
-            return False
-        if not self._runner.acquire(False):
-            return False
-        try:
-            if self._waiting or self._draining or not self._queue.empty():
-                return False  # queued requests go first, and with it: the batch thread's
-            self._waiting.append(pending)
-            self._run_one(self._select())
-        finally:
-            self._runner.release()
-        return True
 
     def _take(self, timeout: float | None) -> Any:
         """The next queued entry: blocks for ``timeout`` seconds (None: forever, 0: not at all)."""
@@ -379,29 +319,19 @@ class Batcher:
         self._waiting.append(entry)
         return True
 
-    def _first(self) -> Any:
-        """The entry that starts the next batch, blocking for one when nothing waits; else _NOTHING.
-
-        Called without the runner lock: while this thread blocks here, a
-        request thread may run its own call (_run_here).
-        """
-        if self._waiting or self._draining:
-            return _NOTHING
-        idle = self._queue.empty()
-        entry = self._take(None)
-        if idle:
-            # Woken by the first request of an idle spell: under gevent,
-            # those the hub is parsing now join it. Not when requests were
-            # already queued: the model would idle through the hub's turn.
-            end_of_hub_turn()
-        return entry
-
-    def _gather(self, first: Any) -> list[Part] | None:
-        """The next batch ([] if none waits), or None once the sentinel is reached and nothing is left."""
-        if first is not _NOTHING:
-            self._wait(first)
+    def _gather(self) -> list[Part] | None:
+        """The next batch, or None once the sentinel is reached and nothing is left."""
         if not self._waiting:
-            return None if self._draining else []
+            if self._draining:
+                return None
+            idle = self._queue.empty()
+            if not self._wait(self._take(None)):
+                return None
+            if idle:
+                # Woken by the first request of an idle spell: under gevent,
+                # those the hub is parsing now join it. Not when requests were
+                # already queued: the model would idle through the hub's turn.
+                end_of_hub_turn()
         # Everything queued already waits too: the batch is chosen among them all (_select).
         while not self._draining:
             try:
