@@ -32,7 +32,7 @@ from typing import Any
 
 from service.batching import native
 from service.batching.admission import AdmissionRule
-from service.batching.batcher import Batcher
+from service.batching.batcher import RUN_HERE_BELOW_S, Batcher
 from service.batching.calibration import calibrate
 from service.batching.gather import GatherPolicy
 from service.batching.model_time import ModelTime
@@ -273,6 +273,7 @@ def new_batcher(
         cost=None if sizer is None else _calibrated(model, sizer, settings.max_batch_size, shapes),
         admission=admission,
         model_time=model_time,
+        run_here_below_s=RUN_HERE_BELOW_S,
     )
 
 

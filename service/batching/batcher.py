@@ -10,6 +10,16 @@
 #   batch takes it: small requests first within half a batch (the express
 #   lane), then bulk requests in arrival order; a request larger than a batch
 #   runs in parts, a batch at a time (Part), and is answered after its last.
+# - A lone request to a model cheaper to call than the hand-off (a call under
+#   RUN_HERE_BELOW_S, as measured; a small MLP, a stand-in model) is run by its
+#   own thread (_run_here): with nothing to batch it with, waking the batch
+#   thread and being woken by it cost more CPU than the call. Whoever gathers
+#   and runs a batch holds the runner lock, so the batch thread and such a
+#   request never run at once, and a request that arrives meanwhile is queued
+#   for the batch thread as before. Under load (another request in a handler)
+#   the batch thread runs everything. A model measured slower than that (any
+#   transformer) always goes through the batch thread: its calls stay on one
+#   thread, whose intra-op thread pool is the only one it needs.
 # - Every future it takes gets a result or an exception, whatever the model does;
 #   cancelled futures are skipped, expired ones fail before inference. If a batch
 #   fails, its requests are re-run one by one so only the culprit fails.
@@ -63,6 +73,11 @@ from service.outputs import check_count, client_error, first_non_finite
 log = logging.getLogger(__name__)
 
 _STOP = object()
+_NOTHING = object()  # _first: nothing taken from the queue, the waiting list starts the batch
+# A lone request to a model whose calls take less than this is run by its own
+# thread (Batcher._run_here): a hand-off to the batch thread and back costs
+# 0.1 to 0.15 ms of CPU, two thread switches, more than the call.
+RUN_HERE_BELOW_S = 0.0002
 # The express lane takes requests of at most max_batch_size // EXPRESS_SHARE items
 # (8 of the default 64): a query or a few texts, not an indexing job's batch.
 EXPRESS_SHARE = 8
@@ -87,8 +102,10 @@ class Batcher:
         express_items: int | None = None,
         pace: Pace | None = None,
         model_time: ModelTime | None = None,
+        run_here_below_s: float = 0.0,
     ) -> None:
         self._predict = predict
+        self._run_here_below_s = run_here_below_s
         self._sizer = sizer
         # No budget: a sub-batch is bounded by max_batch_size alone.
         self._max_tokens = max_tokens if max_tokens is not None else 1 << 62
@@ -116,7 +133,7 @@ class Batcher:
         self._depth_stale = False
         self._reporting = native.allocate_lock()  # held by the one thread writing the depth (_report_depth)
         self._accepting = True
-        # Taken from the queue and not yet wholly into a batch, in arrival order; the batch thread's alone.
+        # Taken from the queue and not yet wholly into a batch, in arrival order; the runner's alone.
         self._waiting: list[Pending] = []
         self._draining = False  # the stop sentinel was reached: end once _waiting is empty
         # Requests inside their handlers now, and the most there were since the
@@ -127,6 +144,10 @@ class Batcher:
         self._model_time_s = 0.0
         self._exited = native.allocate_lock()
         self._batch: list[Part] = []  # the batch being run, for abandon()
+        # Held by whoever gathers and runs a batch: the batch thread, or a request
+        # thread running its own cheap call (_run_here). It guards _waiting,
+        # _draining, _batch and the cost model, which only that holder touches.
+        self._runner = native.allocate_lock()
         self.running = False
         # Watchdog inputs: when the current batch started (None when idle), and
         # what ended the thread if something other than stop() did.
@@ -190,6 +211,9 @@ class Batcher:
         expect of a body (Gate.estimate_items). ``waiting``: the requests still
         waiting for a thread when it got its own (gthread; admission.Pace).
         Refused too large for its deadline even alone: 413 (PayloadTooLarge).
+        A lone request to a model cheaper to call than a hand-off is run
+        here, in the caller's thread (_run_here): the returned request is then
+        already answered.
         """
         # Sized here, in the request thread, so the batch thread only sorts.
         sizes = None if self._sizer is None else [self._sizer(item) for item in items]
@@ -215,7 +239,8 @@ class Batcher:
         # Runs in whichever thread completes the future: the batch thread, the
         # watchdog, or the caller cancelling it. None of them holds _lock then.
         pending.future.add_done_callback(lambda _: self.gate.answered(pending))
-        self._queue.put(pending)
+        if not self._run_here(pending):
+            self._queue.put(pending)
         return pending
 
     def start(self) -> None:
@@ -273,14 +298,14 @@ class Batcher:
 
     def run(self) -> None:
         try:
-            while (batch := self._gather()) is not None:
-                self._batch = batch
-                self.busy_since = time.monotonic()
-                try:
-                    self._run_batch(batch)
-                finally:
-                    self.busy_since = None
-                    self._batch = []
+            while True:
+                first = self._first()
+                with self._runner:
+                    batch = self._gather(first)
+                    if batch is None:
+                        return
+                    if batch:
+                        self._run_one(batch)
         except BaseException as exc:
             self.crash = type(exc).__name__
             log.exception("batch thread crashed")
@@ -289,6 +314,48 @@ class Batcher:
             self.running = False
             if self._exited.locked():
                 self._exited.release()
+
+    def _run_one(self, batch: list[Part]) -> None:
+        self._batch = batch
+        self.busy_since = time.monotonic()
+        try:
+            self._run_batch(batch)
+        finally:
+            self.busy_since = None
+            self._batch = []
+
+    def _run_here(self, pending: Pending) -> bool:
+        """Run ``pending`` in the calling thread if it is alone and its call cheap; True if it ran.
+
+        Only when the model's calls are cheaper than ``run_here_below_s`` (0,
+        the default: never; the service passes RUN_HERE_BELOW_S), the request
+        fits one batch, and it is alone: no other request in a handler, none
+        expected (the gathering would not wait for one) and none queued or
+        running. With nothing to batch it with, the batch thread, woken for it,
+        would only add two thread switches. A request that arrives meanwhile is
+        queued for the batch thread, which runs it once this call ends (the
+        runner lock). Under load the batch thread runs everything: what it pays
+        once a batch (the batch's metrics, the late-request check) is then
+        shared, where here each request would pay it.
+        """
+        if not (
+            0 < self._model_time_s < self._run_here_below_s
+            # No other request in a handler since the last batch began (so none now either).
+            and self._cycle_peak <= 1
+            and len(pending.items) <= self._max_batch_size
+            and self._policy.delay_s <= 0
+        ):
+            return False
+        if not self._runner.acquire(False):
+            return False
+        try:
+            if self._waiting or self._draining or not self._queue.empty():
+                return False  # queued requests go first, and with it: the batch thread's
+            self._waiting.append(pending)
+            self._run_one(self._select())
+        finally:
+            self._runner.release()
+        return True
 
     def _take(self, timeout: float | None) -> Any:
         """The next queued entry: blocks for ``timeout`` seconds (None: forever, 0: not at all)."""
@@ -319,19 +386,29 @@ class Batcher:
         self._waiting.append(entry)
         return True
 
-    def _gather(self) -> list[Part] | None:
-        """The next batch, or None once the sentinel is reached and nothing is left."""
+    def _first(self) -> Any:
+        """The entry that starts the next batch, blocking for one when nothing waits; else _NOTHING.
+
+        Called without the runner lock: while this thread blocks here, a
+        request thread may run its own call (_run_here).
+        """
+        if self._waiting or self._draining:
+            return _NOTHING
+        idle = self._queue.empty()
+        entry = self._take(None)
+        if idle:
+            # Woken by the first request of an idle spell: under gevent,
+            # those the hub is parsing now join it. Not when requests were
+            # already queued: the model would idle through the hub's turn.
+            end_of_hub_turn()
+        return entry
+
+    def _gather(self, first: Any) -> list[Part] | None:
+        """The next batch ([] if none waits), or None once the sentinel is reached and nothing is left."""
+        if first is not _NOTHING:
+            self._wait(first)
         if not self._waiting:
-            if self._draining:
-                return None
-            idle = self._queue.empty()
-            if not self._wait(self._take(None)):
-                return None
-            if idle:
-                # Woken by the first request of an idle spell: under gevent,
-                # those the hub is parsing now join it. Not when requests were
-                # already queued: the model would idle through the hub's turn.
-                end_of_hub_turn()
+            return None if self._draining else []
         # Everything queued already waits too: the batch is chosen among them all (_select).
         while not self._draining:
             try:
