@@ -16,8 +16,9 @@
 #   thread and being woken by it cost more CPU than the call. Whoever gathers
 #   and runs a batch holds the runner lock, so the batch thread and such a
 #   request never run at once, and a request that arrives meanwhile is queued
-#   for the batch thread as before. Under load (another request in a handler)
-#   the batch thread runs everything. A model measured slower than that (any
+#   for the batch thread as before. Under load (another request in a handler,
+#   or the last one answered less than RUN_HERE_AFTER_S before) the batch
+#   thread runs everything. A model measured slower than that (any
 #   transformer) always goes through the batch thread: its calls stay on one
 #   thread, whose intra-op thread pool is the only one it needs.
 # - Every future it takes gets a result or an exception, whatever the model does;
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -78,6 +80,12 @@ _NOTHING = object()  # _first: nothing taken from the queue, the waiting list st
 # thread (Batcher._run_here): a hand-off to the batch thread and back costs
 # 0.1 to 0.15 ms of CPU, two thread switches, more than the call.
 RUN_HERE_BELOW_S = 0.0002
+# ...when it came to a worker with no request in a handler for this long. Under a
+# stream of requests (one answered, the next in within a millisecond) the batch
+# thread's wake-up lets a few gather into one batch, whose own costs (its
+# metrics, the late-request check) they then share: run here one by one, each
+# paid them, and at saturation that cost more than the hand-offs it saved.
+RUN_HERE_AFTER_S = 0.001
 # The express lane takes requests of at most max_batch_size // EXPRESS_SHARE items
 # (8 of the default 64): a query or a few texts, not an indexing job's batch.
 EXPRESS_SHARE = 8
@@ -103,9 +111,15 @@ class Batcher:
         pace: Pace | None = None,
         model_time: ModelTime | None = None,
         run_here_below_s: float = 0.0,
+        run_here_after_s: float = RUN_HERE_AFTER_S,
     ) -> None:
         self._predict = predict
         self._run_here_below_s = run_here_below_s
+        self._run_here_after_s = run_here_after_s
+        # When the last request in a handler left, and whether the one that came
+        # next found the worker quiet that long (_run_here); both under _lock.
+        self._last_out = -math.inf
+        self._came_after_quiet = False
         self._sizer = sizer
         # No budget: a sub-batch is bounded by max_batch_size alone.
         self._max_tokens = max_tokens if max_tokens is not None else 1 << 62
@@ -176,6 +190,8 @@ class Batcher:
         queued within a millisecond or two.
         """
         with self._lock:
+            if self._in_flight == 0:
+                self._came_after_quiet = time.monotonic() - self._last_out >= self._run_here_after_s
             self._in_flight += 1
             self._cycle_peak = max(self._cycle_peak, self._in_flight)
         try:
@@ -183,6 +199,8 @@ class Batcher:
         finally:
             with self._lock:
                 self._in_flight -= 1
+                if self._in_flight == 0:
+                    self._last_out = time.monotonic()
 
     def submit(
         self,
@@ -329,10 +347,11 @@ class Batcher:
 
         Only when the model's calls are cheaper than ``run_here_below_s`` (0,
         the default: never; the service passes RUN_HERE_BELOW_S), the request
-        fits one batch, and it is alone: no other request in a handler, none
-        expected (the gathering would not wait for one) and none queued or
-        running. With nothing to batch it with, the batch thread, woken for it,
-        would only add two thread switches. A request that arrives meanwhile is
+        fits one batch, and it is alone: it found the worker quiet for
+        ``run_here_after_s``, no other request came into a handler since (so
+        the gathering would not wait for one), and none is queued or running.
+        With nothing to batch it with, the batch thread, woken for it, would
+        only add two thread switches. A request that arrives meanwhile is
         queued for the batch thread, which runs it once this call ends (the
         runner lock). Under load the batch thread runs everything: what it pays
         once a batch (the batch's metrics, the late-request check) is then
@@ -340,8 +359,10 @@ class Batcher:
         """
         if not (
             0 < self._model_time_s < self._run_here_below_s
-            # No other request in a handler since the last batch began (so none now either).
+            # No other request in a handler since the last batch began (so none now either),
+            # and this one came to a worker quiet for a while: not one of a stream.
             and self._cycle_peak <= 1
+            and self._came_after_quiet
             and len(pending.items) <= self._max_batch_size
             and self._policy.delay_s <= 0
         ):

@@ -47,6 +47,9 @@ def started(made: list[Batcher], predict: Any, **kwargs: Any) -> Batcher:
         # Any call counts as cheap, so that a busy machine's slow call cannot decide a test;
         # test_a_slow_model_... checks the threshold itself.
         "run_here_below_s": 60.0,
+        # Requests here follow each other at once: any gap counts as quiet, but in
+        # test_a_request_that_follows_the_last_answer_closely_goes_to_the_batch_thread.
+        "run_here_after_s": 0.0,
     }
     options.update(kwargs)
     batcher = Batcher(predict, **options)
@@ -80,6 +83,20 @@ def test_a_request_beside_another_in_flight_goes_to_the_batch_thread(batchers: l
         pending = batcher.submit(["b"], FAR)
         assert wait_result(pending.future, 10) == ["out:b"]
     assert model.threads[1] != threading.get_ident()
+
+
+def test_a_request_that_follows_the_last_answer_closely_goes_to_the_batch_thread(
+    batchers: list[Batcher],
+) -> None:
+    model = Recorded()
+    batcher = started(batchers, model, run_here_after_s=60.0)
+    wait_result(batcher.submit(["a"], FAR).future, 10)
+    with batcher.in_flight():  # the first request into a handler: the worker was quiet
+        wait_result(batcher.submit(["b"], FAR).future, 10)
+    with batcher.in_flight():  # within a minute of the last answer: one of a stream
+        wait_result(batcher.submit(["c"], FAR).future, 10)
+    assert model.threads[1] == threading.get_ident()
+    assert model.threads[2] != threading.get_ident()
 
 
 def test_a_slow_model_and_the_default_batcher_always_use_the_batch_thread(batchers: list[Batcher]) -> None:
@@ -134,7 +151,9 @@ def test_stop_still_answers_and_ends_after_requests_ran_in_their_own_threads(
     batchers: list[Batcher],
 ) -> None:
     model = Recorded()
-    batcher = Batcher(model, max_batch_size=8, queue_limit=100, run_here_below_s=RUN_HERE_BELOW_S)
+    batcher = Batcher(
+        model, max_batch_size=8, queue_limit=100, run_here_below_s=RUN_HERE_BELOW_S, run_here_after_s=0.0
+    )
     batcher.start()
     wait_result(batcher.submit(["a"], FAR).future, 10)
     with batcher.in_flight():
