@@ -45,6 +45,10 @@ def wait_result(future: Reply, timeout_s: float, gone: Callable[[], bool] | None
     (cancelled while queued, failed between the parts of a large one), so the
     model computes nothing more for it, and ClientClosed is raised.
     """
+    if future.done():
+        # Answered within submit() (Batcher._run_here): under gevent, a waiter
+        # would still ask the hub, from this very greenlet, to wake it.
+        return future.result(timeout=0)
     until = time.monotonic() + max(0.0, timeout_s)
     wait = _greenlet_waiter(future) if native.gevent_patched() else _thread_waiter(future)
     while True:

@@ -138,6 +138,50 @@ def test_requests_queued_in_one_turn_of_the_hub_make_one_batch() -> None:
     assert report == {"results": [[2 * i] for i in range(8)], "sizes": [8], "stopped": True}
 
 
+LONE = r"""
+from gevent import monkey
+monkey.patch_all()
+
+import json
+import gevent
+from service.batching import waiting
+from service.batching.batcher import Batcher
+from service.batching.waiting import wait_result
+
+thread_id = monkey.get_original("_thread", "get_ident")  # the OS thread's, not the greenlet's
+threads = []
+
+def predict(batch):
+    threads.append(thread_id())
+    return [x * 2 for x in batch]
+
+# Any call counts as cheap and any gap as quiet: the scenario is the greenlet's, not the timing's.
+batcher = Batcher(predict, max_batch_size=8, queue_limit=10, run_here_below_s=60.0, run_here_after_s=0.0)
+batcher.start()
+first = list(wait_result(batcher.submit([1], 1e18).future, 10))  # timed by the batch thread
+waiting._hub_loop = None  # set by that wait; a waiter made from here on sets it again
+
+def lone():
+    with batcher.in_flight():
+        return list(wait_result(batcher.submit([2], 1e18).future, 10))
+
+answer = gevent.spawn(lone).get(timeout=10)
+print(json.dumps({
+    "answers": [first, answer],
+    # The second call ran on the hub's thread, in the request's greenlet.
+    "ran_here": threads[1] == thread_id() != threads[0],
+    # Answered within submit(): no waiter asked the hub to wake it.
+    "hub_asked": waiting._hub_loop is not None,
+    "stopped": batcher.stop(timeout=10),
+}))
+"""
+
+
+def test_a_lone_greenlet_runs_its_cheap_call_itself_and_never_waits_on_the_hub() -> None:
+    report = run_scenario(LONE)
+    assert report == {"answers": [[2], [4]], "ran_here": True, "hub_asked": False, "stopped": True}
+
+
 def run_scenario(code: str) -> dict[str, object]:
     """Run ``code`` in a child Python (gevent patches a process for good); the JSON its last line prints."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")}
