@@ -28,7 +28,7 @@ from werkzeug.routing import Rule
 from werkzeug.wsgi import get_path_info
 
 from service.http.arrival import ARRIVAL_ENVIRON_KEY, MODEL_ENVIRON_KEY
-from service.telemetry.logs import ACCESS_LOGGER
+from service.telemetry.logs import ACCESS_LOGGER, info_record
 from service.telemetry.metrics import UNMATCHED_ROUTE, Metrics
 
 REQUEST_ID_HEADER = "X-Request-ID"
@@ -160,10 +160,7 @@ def _write_access_line(environ: dict[str, Any], rid: str, route: str, status: in
     }
     # Made here rather than by access_log.info, which walks the stack for the
     # caller's file and line on every request: the line never shows them.
-    record = access_log.makeRecord(
-        ACCESS_LOGGER, logging.INFO, __file__, 0, ACCESS_LINE, (text,), None, extra={"fields": fields}
-    )
-    access_log.handle(record)
+    access_log.handle(info_record(ACCESS_LOGGER, ACCESS_LINE, text, fields=fields))
 
 
 def _printable(path: str) -> str:

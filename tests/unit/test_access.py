@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,15 @@ from flask.testing import FlaskClient
 from service.batching import native
 from service.config.settings import Settings
 from service.http.access import REQUEST_ID_HEADER, request_id
-from service.telemetry.logs import ACCESS_LOGGER, JsonFormatter, LineWriter, logging_config
+from service.telemetry.logs import (
+    ACCESS_LOGGER,
+    TEXT_DATE_FORMAT,
+    TEXT_FORMAT,
+    JsonFormatter,
+    LineWriter,
+    info_record,
+    logging_config,
+)
 
 VECTOR = [0.1 * i for i in range(16)]
 
@@ -123,6 +132,21 @@ def test_json_lines_carry_the_access_fields(client: FlaskClient, caplog: pytest.
     assert document["request_id"] == "json-1"
     assert (document["route"], document["status"], document["batch_size"]) == ("/predict/naive", 200, 1)
     assert document["time"].endswith("+00:00")
+
+
+def test_an_info_record_formats_as_the_logger_s_own_record_would() -> None:
+    line = "%(remote)s %(status)d"
+    args = {"remote": "127.0.0.1", "status": 200}
+    extra = {"fields": {"status": 200}}
+    made = info_record(ACCESS_LOGGER, line, args, **extra)
+    logger = logging.getLogger(ACCESS_LOGGER)
+    own = logger.makeRecord(ACCESS_LOGGER, logging.INFO, __file__, 0, line, (args,), None, extra=extra)
+    assert made.created == pytest.approx(own.created, abs=5)
+    made.created, made.msecs = own.created, own.msecs  # the same instant, for the formatted time
+    for formatter in (logging.Formatter(TEXT_FORMAT, TEXT_DATE_FORMAT), JsonFormatter()):
+        assert formatter.format(made) == formatter.format(own)
+    assert made.process == os.getpid()
+    assert made.getMessage() == "127.0.0.1 200"
 
 
 def test_json_lines_carry_exceptions() -> None:
