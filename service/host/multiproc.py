@@ -51,8 +51,7 @@ def import_client() -> None:
             "could not share their metrics; nothing in the gunicorn master may import it earlier"
         )
     # Each write first checks whether the process forked since (its file is the
-    # pid's): with os.getpid that is a system call, a tenth of a worker's
-    # metrics time (service.host.pid).
+    # pid's): with os.getpid, a system call a write (service.host.pid).
     values.ValueClass = values.MultiProcessValue(current_pid)  # type: ignore[no-untyped-call]
 
 

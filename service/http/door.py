@@ -70,6 +70,7 @@ from service.http.arrival import (
     settle_wait,
 )
 from service.http.inference import query_model
+from service.http.request_head import header_number
 from service.http.shapes import error_document
 from service.telemetry.model_metrics import NO_MODEL
 
@@ -284,19 +285,8 @@ class Door:
         return Refusal(f"{status} Service Unavailable", headers, body, hold_s)
 
 
-# Past this many digits a header's number is not sane (and int() refuses past 4,300).
-_MAX_DIGITS = 15
-
-
-def _number(raw: str | None) -> int | None:
-    """A header's whole number, or None when it is not one of at most _MAX_DIGITS digits."""
-    if raw and raw.isascii() and raw.isdigit() and len(raw) <= _MAX_DIGITS:
-        return int(raw)
-    return None
-
-
 def _content_length(environ: dict[str, Any]) -> int | None:
-    return _number(environ.get("CONTENT_LENGTH"))
+    return header_number(environ.get("CONTENT_LENGTH"))
 
 
 def _deadline_s(environ: dict[str, Any], timeout_ms: int) -> float:
@@ -304,7 +294,7 @@ def _deadline_s(environ: dict[str, Any], timeout_ms: int) -> float:
 
     A header that is not a positive integer is the route's to refuse (400); here it is ignored.
     """
-    asked = _number(environ.get(TIMEOUT_ENVIRON_KEY))
+    asked = header_number(environ.get(TIMEOUT_ENVIRON_KEY))
     if asked:
         timeout_ms = min(timeout_ms, asked)
     return timeout_ms / 1000

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 # own limits then apply: 4,094 bytes a request line, 100 headers).
 MAX_HEAD_BYTES = 4096
 MAX_HEADERS = 100
-# Longer digit strings are not a plain Content-Length (and int() refuses past 4,300 digits).
-MAX_LENGTH_DIGITS = 15
+# Longer digit strings are no sane header number (and int() refuses past 4,300 digits).
+MAX_NUMBER_DIGITS = 15
 # A control character, or a CR or LF that is not part of a CRLF: gunicorn answers
 # 400 and closes; left to it, so that the two never disagree on where a request ends.
 _NOT_PLAIN_BYTES = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n")
@@ -50,14 +50,21 @@ def read_head(data: bytes) -> RequestHead | None:
         return None
     if "close" in environ.get("HTTP_CONNECTION", "").lower():
         return None  # the answer must close the connection: gunicorn's way
-    length_text = environ.get("CONTENT_LENGTH", "0")
-    if not (length_text.isascii() and length_text.isdigit() and len(length_text) <= MAX_LENGTH_DIGITS):
+    length = header_number(environ.get("CONTENT_LENGTH", "0"))
+    if length is None:
         return None
     start = end + 4
-    size = start + int(length_text)
+    size = start + length
     if len(data) < size:
         return None  # the body is not all here yet
     return RequestHead(environ, data[start:size], size)
+
+
+def header_number(raw: str | None) -> int | None:
+    """A header's whole number, or None when it is not one of at most MAX_NUMBER_DIGITS ASCII digits."""
+    if raw and raw.isascii() and raw.isdigit() and len(raw) <= MAX_NUMBER_DIGITS:
+        return int(raw)
+    return None
 
 
 def _request_line(line: bytes) -> dict[str, str] | None:
