@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -151,3 +152,26 @@ def test_a_gunicorn_without_the_body_hook_keeps_its_own_two_writes(
     resp, _ = wsgi.create(req, server, ("127.0.0.1", 5000), ("127.0.0.1", 8000), cfg)
     one_write(resp.start_response)
     assert type(resp) is wsgi.Response
+
+
+@pytest.mark.parametrize(
+    ("request_head", "headers"),
+    [
+        (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", [("Content-Length", "5")]),  # keep-alive
+        (b"GET / HTTP/1.0\r\n\r\n", [("Content-Length", "5")]),  # close
+        (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", []),  # chunked
+    ],
+)
+def test_the_first_header_lines_are_gunicorns_own_with_the_date_made_once_a_second(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch, request_head: bytes, headers: list[tuple[str, str]]
+) -> None:
+    server, client = pair
+    client.sendall(request_head)
+    cfg = Config()
+    req = next(iter(RequestParser(cfg, server, ("127.0.0.1", 5000))))
+    resp, _ = wsgi.create(req, server, ("127.0.0.1", 5000), ("127.0.0.1", 8000), cfg)
+    one_write(resp.start_response)
+    resp.start_response("200 OK", headers)
+    for now in (1_700_000_000.2, 1_700_000_000.9, 1_700_000_001.0, 1_700_000_000.5):
+        monkeypatch.setattr(time, "time", lambda now=now: now)  # gunicorn's clock too
+        assert resp.default_headers() == wsgi.Response.default_headers(resp)
