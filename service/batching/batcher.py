@@ -21,6 +21,13 @@
 #   thread runs everything. A model measured slower than that (any
 #   transformer) always goes through the batch thread: its calls stay on one
 #   thread, whose intra-op thread pool is the only one it needs.
+# - Under gevent, requests to such a cheap model are not handed to the batch
+#   thread at all (_on_hub): a request greenlet queues its request on a list of
+#   the hub's thread, and the first of a turn spawns one greenlet that starts
+#   after the turn's I/O and runs everything queued by then, in batches, under
+#   the runner lock. No thread is woken, no GIL passed, no wake-up of the hub
+#   asked from another thread. If the batch thread holds the runner lock then,
+#   the requests go to it instead.
 # - Every future it takes gets a result or an exception, whatever the model does;
 #   cancelled futures are skipped, expired ones fail before inference. If a batch
 #   fails, its requests are re-run one by one so only the culprit fails.
@@ -67,7 +74,7 @@ from service.batching.observer import BatchObserver, notify
 from service.batching.pending import Part, Pending
 from service.batching.reply import claim, fail
 from service.batching.subbatch import Cost, CostModel, cut
-from service.batching.waiting import end_of_hub_turn
+from service.batching.waiting import end_of_hub_turn, hub_spawn
 from service.errors import DeadlineExceeded, ModelError, NotReady, Overloaded, ServeError
 from service.models.base import Outputs
 from service.outputs import check_count, client_error, first_non_finite
@@ -162,6 +169,10 @@ class Batcher:
         # thread running its own cheap call (_run_here). It guards _waiting,
         # _draining, _batch and the cost model, which only that holder touches.
         self._runner = native.allocate_lock()
+        # Requests for a run on the gevent hub's thread (_on_hub), and whether that run
+        # is due; only that thread touches them.
+        self._hub_queue: list[Pending] = []
+        self._hub_run_due = False
         self.running = False
         # Watchdog inputs: when the current batch started (None when idle), and
         # what ended the thread if something other than stop() did.
@@ -257,7 +268,7 @@ class Batcher:
         # Runs in whichever thread completes the future: the batch thread, the
         # watchdog, or the caller cancelling it. None of them holds _lock then.
         pending.future.add_done_callback(lambda _: self.gate.answered(pending))
-        if not self._run_here(pending):
+        if not self._run_here(pending) and not self._on_hub(pending):
             self._queue.put(pending)
         return pending
 
@@ -297,7 +308,7 @@ class Batcher:
         """
         with self._lock:
             self._accepting = False
-        held = [part.pending for part in self._batch] + list(self._waiting)
+        held = [part.pending for part in self._batch] + list(self._waiting) + self._hub_queue
         while True:
             try:
                 entry = self._take(0)
@@ -377,6 +388,46 @@ class Batcher:
         finally:
             self._runner.release()
         return True
+
+    def _on_hub(self, pending: Pending) -> bool:
+        """Queue ``pending`` for a batch run on the gevent hub's thread after its turn; True if queued.
+
+        Only for a model whose calls are cheaper than ``run_here_below_s`` and a
+        caller on the hub's thread (a request greenlet). The batch thread's
+        hand-off there costs more than the call: a wake-up of the thread, the
+        GIL passed to it and back, the hub woken from another thread.
+        """
+        if not (0 < self._model_time_s < self._run_here_below_s and self._policy.delay_s <= 0):
+            return False
+        spawn = hub_spawn()
+        if spawn is None:
+            return False
+        self._hub_queue.append(pending)
+        if not self._hub_run_due:
+            self._hub_run_due = True
+            spawn(self._run_on_hub)
+        return True
+
+    def _run_on_hub(self) -> None:
+        """Run what was queued for the hub, in batches; if the batch thread holds the runner, hand it over."""
+        self._hub_run_due = False
+        taken, self._hub_queue = self._hub_queue, []
+        if not self._runner.acquire(False):
+            for pending in taken:
+                self._queue.put(pending)
+            return
+        try:
+            self._waiting.extend(taken)
+            while self._waiting:
+                self._run_one(self._select())
+        except Exception:
+            # Not raised on: in a greenlet of its own it would only be printed. No caller may hang on it.
+            log.exception("a batch run on the hub's thread failed")
+            error = ModelError("the batch ended without a result for this request")
+            for pending in taken + self._waiting:
+                fail(pending.future, error)
+        finally:
+            self._runner.release()
 
     def _take(self, timeout: float | None) -> Any:
         """The next queued entry: blocks for ``timeout`` seconds (None: forever, 0: not at all)."""

@@ -26,7 +26,7 @@ from _queue import Empty, SimpleQueue
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Empty", "SimpleQueue", "allocate_lock", "gevent_patched", "sleep", "start_thread"]
+__all__ = ["Empty", "SimpleQueue", "allocate_lock", "get_ident", "gevent_patched", "sleep", "start_thread"]
 
 
 def gevent_patched() -> bool:
@@ -66,6 +66,14 @@ _allocate_lock = _original("_thread", "allocate_lock")
 def allocate_lock() -> Any:
     """A plain OS lock (``_thread.LockType``)."""
     return _allocate_lock()
+
+
+_get_ident = _original("_thread", "get_ident")  # patched, it names the greenlet
+
+
+def get_ident() -> int:
+    """This OS thread's ident, never a greenlet's."""
+    return int(_get_ident())
 
 
 def start_thread(target: Callable[[], None]) -> int:

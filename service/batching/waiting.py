@@ -97,6 +97,8 @@ def _take_back(future: Reply) -> None:
 # interval, after which the hub would have had to give up the GIL anyway.
 HUB_TURN_WAIT_S = 0.005
 _hub_loop: Any = None  # the gevent hub's loop of this worker, once a greenlet has waited
+_hub_thread: int | None = None  # the OS thread that hub runs on
+_spawn_raw: Any = None  # gevent.spawn_raw, once imported (hub_spawn)
 
 
 def end_of_hub_turn() -> None:
@@ -122,22 +124,48 @@ def end_of_hub_turn() -> None:
     turned.acquire(timeout=HUB_TURN_WAIT_S)
 
 
+def hub_spawn() -> Callable[[Callable[[], None]], object] | None:
+    """gevent's ``spawn_raw`` on the OS thread of the worker's hub; else None, or before any greenlet waited.
+
+    A greenlet spawned so starts in the hub's callbacks, after the I/O of its
+    turn: every request the turn parsed has been queued by then.
+    """
+    global _spawn_raw  # noqa: PLW0603
+    if _hub_thread is None or native.get_ident() != _hub_thread:
+        return None
+    if _spawn_raw is None:
+        from gevent import spawn_raw
+
+        _spawn_raw = spawn_raw
+    return _spawn_raw  # type: ignore[no-any-return]  # gevent ships no type hints
+
+
 def _greenlet_waiter(future: Reply) -> Callable[[float], bool]:
     """``wait(timeout_s)``: yield to the hub until the future is done or that long passes; whether it is done.
 
     One Event and one done-callback per request, however many times it waits.
     """
-    global _hub_loop  # noqa: PLW0603
+    global _hub_loop, _hub_thread
     from gevent import get_hub
     from gevent.event import Event
 
-    loop = get_hub().loop
+    hub = get_hub()
+    loop = hub.loop
     if _hub_loop is None:
         # Once: every request greenlet runs on the worker's one hub.
-        _hub_loop = loop
+        _hub_loop, _hub_thread = loop, hub.thread_ident
     woken = Event()
-    # Runs in the batch thread, or here at once if the future finished meanwhile.
-    future.add_done_callback(lambda _: loop.run_callback_threadsafe(woken.set))
+    thread = hub.thread_ident
+
+    def wake(_: Reply) -> None:
+        # In the batch thread, through the hub's thread-safe queue; on the hub's
+        # own thread (a batch run there, Batcher._on_hub) at once, no wake-up to ask for.
+        if native.get_ident() == thread:
+            woken.set()
+        else:
+            loop.run_callback_threadsafe(woken.set)
+
+    future.add_done_callback(wake)
 
     def wait(timeout_s: float) -> bool:
         if not future.done():

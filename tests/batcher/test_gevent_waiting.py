@@ -182,6 +182,80 @@ def test_a_lone_greenlet_runs_its_cheap_call_itself_and_never_waits_on_the_hub()
     assert report == {"answers": [[2], [4]], "ran_here": True, "hub_asked": False, "stopped": True}
 
 
+ON_HUB = r"""
+from gevent import monkey
+monkey.patch_all()
+
+import json
+import gevent
+from service.batching import native
+from service.batching.batcher import Batcher
+from service.batching.gather import GatherPolicy
+from service.batching.waiting import wait_result
+
+thread_id = monkey.get_original("_thread", "get_ident")  # the OS thread's, not the greenlet's
+hub_thread = thread_id()
+calls = []  # (the batch, whether it ran on the hub's thread)
+gate = native.allocate_lock()
+gate.acquire()
+
+def predict(batch):
+    calls.append((list(batch), thread_id() == hub_thread))
+    if batch[0] < 0:
+        gate.acquire(timeout=20)  # a call the batch thread is in the middle of
+    return [x * 2 for x in batch]
+
+# Any call counts as cheap; no request is alone (in_flight is not used), so none runs in its own greenlet.
+batcher = Batcher(
+    predict, max_batch_size=16, queue_limit=64, policy=GatherPolicy(adaptive=False), run_here_below_s=60.0
+)
+batcher.start()
+
+def client(i):
+    return list(wait_result(batcher.submit([i], 1e18).future, 10))
+
+report = {"first": gevent.spawn(client, 100).get(timeout=10)}  # timed by the batch thread; it shows the hub
+# 1. A turn's requests: one batch, run on the hub's thread after the turn.
+burst = [gevent.spawn(client, i) for i in range(8)]
+report["burst"] = [g.get(timeout=10) for g in burst]
+
+# 2. While the batch thread holds the runner (a call of a request sent from another OS thread),
+# a turn's requests are handed to it.
+outside = []
+native.start_thread(lambda: outside.append(list(batcher.submit([-1], 1e18).future.result(timeout=20))))
+while len(calls) < 3:
+    gevent.sleep(0.001)  # until the batch thread is in that call
+late = [gevent.spawn(client, i) for i in (20, 21, 22)]
+while batcher.depth < 3 or batcher._hub_run_due:
+    gevent.sleep(0)  # until the run for the hub found the runner taken
+gate.release()
+report["late"] = [g.get(timeout=10) for g in late]
+while not outside:
+    gevent.sleep(0.001)
+report["outside"] = outside[0]
+report["calls"] = calls
+report["stopped"] = batcher.stop(timeout=10)
+print(json.dumps(report))
+"""
+
+
+def test_a_turns_requests_to_a_cheap_model_run_as_one_batch_on_the_hubs_thread() -> None:
+    report = run_scenario(ON_HUB)
+    assert report == {
+        "first": [200],
+        "burst": [[2 * i] for i in range(8)],
+        "late": [[40], [42], [44]],
+        "outside": [-2],
+        "calls": [
+            [[100], False],  # the batch thread's, before the model was timed
+            [list(range(8)), True],  # the turn's eight, on the hub's thread
+            [[-1], False],
+            [[20, 21, 22], False],  # queued while the batch thread ran: its to run
+        ],
+        "stopped": True,
+    }
+
+
 def run_scenario(code: str) -> dict[str, object]:
     """Run ``code`` in a child Python (gevent patches a process for good); the JSON its last line prints."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")}
