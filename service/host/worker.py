@@ -47,14 +47,13 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gunicorn import SERVER
-from gunicorn.util import http_date
 from gunicorn.workers.gthread import ThreadWorker
 
 from service.batching.admission import predict_wait
 from service.host.balance import Balance
 from service.host.hold import HeldConnections, peek
 from service.host.lifecycle import door_of, runtime_of
-from service.host.one_write import one_write
+from service.host.one_write import http_date, one_write
 from service.host.tcp_info import since_last_data
 from service.http.arrival import (
     ARRIVAL_ENVIRON_KEY,
@@ -346,26 +345,9 @@ def _kept_alive() -> Future[Any]:
 KEPT_ALIVE = _kept_alive()
 
 
-class _Date:
-    """The ``Date``, made once a second: formatting it cost a refusal a twentieth of its time."""
-
-    def __init__(self) -> None:
-        self._second = -1
-        self._text = ""
-
-    def __call__(self) -> str:
-        now = time.time()
-        if int(now) != self._second:
-            self._second, self._text = int(now), http_date(now)
-        return self._text
-
-
-_date = _Date()
-
-
 def answer_bytes(status: str, headers: list[tuple[str, str]], body: bytes) -> bytes:
     """An HTTP/1.1 answer that keeps its connection open, as gunicorn would write it for a WSGI app."""
-    head = [f"HTTP/1.1 {status}", f"Server: {SERVER}", f"Date: {_date()}", "Connection: keep-alive"]
+    head = [f"HTTP/1.1 {status}", f"Server: {SERVER}", f"Date: {http_date()}", "Connection: keep-alive"]
     head += [f"{name}: {value}" for name, value in headers]
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
 
