@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import requests
 
+from scripts.bench.overhead import FREE_MODEL
+from scripts.fixtures import free_model
 from service.host import allocator, open_files
 from service.topology.plan import SHED_HEADROOM
 from tests.support.models import SECRET_PATH
@@ -183,6 +185,39 @@ def test_a_model_that_cannot_exist_stops_the_master_before_any_worker(
     assert code == 1
     assert all(fragment in log for fragment in fragments), log
     assert "Booting worker" not in log
+
+
+def test_a_gevent_worker_answers_concurrent_requests_to_a_cheap_model_in_batches() -> None:
+    # A model this cheap runs its batches on the hub's own thread (Batcher._on_hub), not the batch thread's.
+    env = {
+        "SERVE_WORKER_CLASS": "gevent",
+        "SERVE_WORKERS": "1",
+        "SERVE_MODEL": FREE_MODEL,
+    }
+    with gunicorn(env) as server, requests.Session() as warm:
+        for _ in range(3):  # the model's time is measured by its first batches, on the batch thread
+            assert warm.post(server.url + "/predict/batched", json={"inputs": ["x"]}, timeout=30).ok
+
+        def client(k: int) -> list[tuple[int, int, bool]]:
+            with requests.Session() as session:
+                answers = []
+                for i in range(25):
+                    texts = [f"text {k} {i}"] * (1 + i % 3)
+                    response = session.post(
+                        server.url + "/predict/batched", json={"inputs": texts}, timeout=30
+                    )
+                    outputs = np.array(response.json()["outputs"]) if response.ok else np.zeros(0)
+                    right = outputs.shape == (len(texts), 384) and np.allclose(outputs, free_model.VECTOR)
+                    answers.append(
+                        (response.status_code, int(response.headers.get("X-Batch-Size", 0)), right)
+                    )
+                return answers
+
+        with ThreadPoolExecutor(16) as pool:
+            answers = [answer for got in pool.map(client, range(16)) for answer in got]
+        assert [(status, right) for status, _, right in answers] == [(200, True)] * 400
+        assert max(size for _, size, _ in answers) > 3  # several requests a batch
+        assert "Traceback" not in server.log()
 
 
 def test_a_gevent_worker_loads_a_model_that_starts_a_process_while_loading() -> None:
