@@ -46,7 +46,7 @@ from service.errors import NotReady
 from service.host import preload
 from service.models import Model, describe, load_model
 from service.models.base import Outputs, item_sizer, sample_item, task_of
-from service.models.device import configure_torch, limit_gpu_memory, select_device
+from service.models.device import configure_torch, limit_gpu_memory, one_intra_op_thread, select_device
 from service.models.precision import Outcome, finish, onednn_cache_capacity
 from service.models.precision_cache import settle
 from service.models.shapes import ShapeSteps
@@ -274,6 +274,8 @@ def new_batcher(
         admission=admission,
         model_time=model_time,
         run_here_below_s=RUN_HERE_BELOW_S,
+        # A lone cheap call in its request's thread, only where that starts no pool of its own.
+        run_in_callers=one_intra_op_thread(),
     )
 
 

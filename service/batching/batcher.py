@@ -119,10 +119,14 @@ class Batcher:
         model_time: ModelTime | None = None,
         run_here_below_s: float = 0.0,
         run_here_after_s: float = RUN_HERE_AFTER_S,
+        run_in_callers: bool = True,
     ) -> None:
         self._predict = predict
         self._run_here_below_s = run_here_below_s
         self._run_here_after_s = run_here_after_s
+        # Whether any request thread may run a lone cheap call (_run_here); a greenlet
+        # on the gevent hub's thread always may, that being one OS thread.
+        self._run_in_callers = run_in_callers
         # When the last request in a handler left, and whether the one that came
         # next found the worker quiet that long (_run_here); both under _lock.
         self._last_out = -math.inf
@@ -366,7 +370,10 @@ class Batcher:
         queued for the batch thread, which runs it once this call ends (the
         runner lock). Under load the batch thread runs everything: what it pays
         once a batch (the batch's metrics, the late-request check) is then
-        shared, where here each request would pay it.
+        shared, where here each request would pay it. With ``run_in_callers``
+        off, only a caller on the gevent hub's thread runs its own: a torch
+        model with more than one intra-op thread starts a pool in every OS
+        thread that calls it, so its calls stay on the batch thread (or the hub's).
         """
         if not (
             0 < self._model_time_s < self._run_here_below_s
@@ -377,6 +384,8 @@ class Batcher:
             and len(pending.items) <= self._max_batch_size
             and self._policy.delay_s <= 0
         ):
+            return False
+        if not self._run_in_callers and hub_spawn() is None:
             return False
         if not self._runner.acquire(False):
             return False

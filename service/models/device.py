@@ -26,6 +26,17 @@ def configure_torch(threads: int | None) -> None:
         torch.set_num_interop_threads(1)
 
 
+def one_intra_op_thread() -> bool:
+    """Whether torch runs each call on the calling thread alone (one intra-op thread).
+
+    With more, every OS thread that calls a model starts an OpenMP pool of its
+    own (GNU OpenMP keeps one per calling thread), so calls are kept to one thread.
+    """
+    import torch
+
+    return bool(torch.get_num_threads() == 1)
+
+
 def select_device(planned: str | None = None) -> str:
     """The torch device for the worker's planned one ("cpu", "cuda:N"; None: not planned).
 

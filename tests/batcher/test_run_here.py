@@ -160,3 +160,16 @@ def test_stop_still_answers_and_ends_after_requests_ran_in_their_own_threads(
         wait_result(batcher.submit(["b"], FAR).future, 10)
     assert batcher.stop(timeout=10)
     assert not batcher.running
+
+
+def test_with_callers_kept_off_the_model_a_lone_request_goes_to_the_batch_thread(
+    batchers: list[Batcher],
+) -> None:
+    # As the service runs a torch model with more than one intra-op thread (service.runtime).
+    model = Recorded()
+    batcher = started(batchers, model, run_in_callers=False)
+    assert wait_result(batcher.submit(["a"], FAR).future, 10) == ["out:a"]
+    with batcher.in_flight():
+        pending = batcher.submit(["b"], FAR)
+        assert wait_result(pending.future, 10) == ["out:b"]
+    assert len(model.threads) == 2 and threading.get_ident() not in model.threads

@@ -59,3 +59,17 @@ def test_a_worker_planned_on_a_gpu_torch_cannot_use_is_not_ready(
     runtime = client.application.extensions[EXTENSION]
     assert "the plan gives this worker cuda:0, but torch sees no CUDA device" in runtime.load_error
     assert client.get("/healthz").status_code == 200
+
+
+@pytest.mark.parametrize(("threads", "in_callers"), [(1, True), (2, False)])
+def test_request_threads_run_a_lone_cheap_call_only_with_one_intra_op_thread(
+    make_client: Callable[[Settings], FlaskClient], threads: int, in_callers: bool
+) -> None:
+    # With more, each request thread that called torch would start an OpenMP pool of its own.
+    before = torch.get_num_threads()
+    try:
+        client = make_client(ECHO.replace(torch_threads=threads))
+        batcher = client.application.extensions[EXTENSION].default.batcher
+        assert batcher._run_in_callers is in_callers
+    finally:
+        torch.set_num_threads(before)
