@@ -67,11 +67,12 @@ class OneWriteResponse(Response):  # type: ignore[misc]  # gunicorn ships no typ
             connection = "close"
         else:
             connection = "keep-alive"
+        major, minor = self.req.version
         headers = [
-            "HTTP/%s.%s %s\r\n" % (self.req.version[0], self.req.version[1], self.status),  # noqa: UP031
-            "Server: %s\r\n" % self.version,  # noqa: UP031
-            "Date: %s\r\n" % http_date(),  # noqa: UP031
-            "Connection: %s\r\n" % connection,  # noqa: UP031
+            f"HTTP/{major}.{minor} {self.status}\r\n",
+            f"Server: {self.version}\r\n",
+            f"Date: {http_date()}\r\n",
+            f"Connection: {connection}\r\n",
         ]
         if self.chunked:
             headers.append("Transfer-Encoding: chunked\r\n")
