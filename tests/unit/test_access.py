@@ -12,6 +12,7 @@ import textwrap
 import threading
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 from flask.testing import FlaskClient
 
@@ -159,6 +160,12 @@ def test_json_lines_carry_exceptions() -> None:
     document = json.loads(JsonFormatter().format(record))
     assert document["message"] == "failed x"
     assert "ValueError: bad" in document["exception"]
+
+
+def test_json_lines_write_a_value_json_has_no_type_for_as_its_text() -> None:
+    record = info_record(ACCESS_LOGGER, "line", {}, fields={"count": np.int64(3), "ratio": np.float32(0.5)})
+    document = json.loads(JsonFormatter().format(record))
+    assert (document["count"], document["ratio"]) == ("3", "0.5")
 
 
 @pytest.mark.parametrize("log_format", ["text", "json"])
