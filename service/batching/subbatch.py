@@ -74,6 +74,10 @@ class CostModel:
         self.shape = shape
         self._w = self._x = self._y = self._xx = self._xy = 0.0
         self._largest = 0.0  # the largest call seen, in padded tokens
+        # floor() as of the last observation: asked before every model call, it
+        # changes only with an observation (two dataclass copies a batch, else).
+        self._floor: Cost | None = None
+        self._floor_shape: Shape | None = None
 
     def observe(self, padded_tokens: int, seconds: float) -> None:
         if padded_tokens <= 0 or seconds < 0:
@@ -86,6 +90,7 @@ class CostModel:
         self._y = d * self._y + y
         self._xx = d * self._xx + x * x
         self._xy = d * self._xy + x * y
+        self._floor = None
 
     @property
     def observed(self) -> bool:
@@ -119,8 +124,13 @@ class CostModel:
         a guess turns away work the service could do; one missed leaves the
         next call's check and the door to catch up.
         """
+        if self._floor is not None and self._floor_shape is self.shape:
+            return self._floor
         estimate = self.estimate()
-        return None if estimate is None else replace(estimate, largest=self._largest)
+        if estimate is None:
+            return None
+        self._floor, self._floor_shape = replace(estimate, largest=self._largest), self.shape
+        return self._floor
 
     def _line(self) -> Cost | None:
         """The line through calls of different sizes, if they show time growing with size."""

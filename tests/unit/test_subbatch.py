@@ -101,6 +101,20 @@ def test_a_falling_line_keeps_a_positive_cost_per_token() -> None:
     assert estimate is not None and estimate.per_token_s > 0 and estimate.overhead_s == 0
 
 
+def test_the_floor_follows_every_observation_and_the_models_padding() -> None:
+    model = CostModel(decay=1.0)
+    model.observe(1, 0.2)
+    first = model.floor()
+    assert first is not None and first.of(1, 1) == pytest.approx(0.2)
+    assert model.floor() == first  # nothing new: the same
+    model.observe(1, 0.4)
+    after = model.floor()
+    assert after is not None and after.of(1, 1) == pytest.approx(0.3)
+    model.shape = lambda rows, longest: (rows, 8 * longest)  # a model that pads (service.models.shapes)
+    padded = model.floor()
+    assert padded is not None and padded.shape is model.shape
+
+
 def test_the_floor_is_the_estimate_never_drawn_past_the_largest_call_seen() -> None:
     model = CostModel(decay=1.0)
     assert model.floor() is None
