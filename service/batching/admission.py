@@ -98,6 +98,10 @@ class ServiceMeter:
         self._last_done: float | None = None
         # Seconds the batch thread waited for other models' turns since the last completion.
         self._paused = 0.0
+        # seconds_per_item as of the last change: read about ten times a request
+        # (the door, admission, the late-request check), changed once a completion.
+        self._per_item: float | None = None
+        self._measured()
         self.outstanding = 0  # items accepted and not yet answered
 
     def submitted(self, items: int = 1) -> None:
@@ -117,6 +121,7 @@ class ServiceMeter:
         self._long.add(spent, items if ran is None else ran)
         self._served += 1
         self._last_done = now if self._last_done is None else max(now, self._last_done)
+        self._measured()
 
     def paused(self, seconds: float) -> None:
         """The batch thread waited ``seconds`` for another model's turn (service.batching.model_time)."""
@@ -125,9 +130,12 @@ class ServiceMeter:
     @property
     def seconds_per_item(self) -> float | None:
         """Mean service time per item; None until ``min_served`` requests have been served."""
-        if self._served < self._min_served:
-            return None
-        return max(self._long.mean, self._recent.mean)
+        return self._per_item
+
+    def _measured(self) -> None:
+        """Set seconds_per_item after a change of what it is made of."""
+        if self._served >= self._min_served:
+            self._per_item = max(self._long.mean, self._recent.mean)
 
     @property
     def recent_seconds_per_item(self) -> float | None:
@@ -138,6 +146,7 @@ class ServiceMeter:
         """A batch's model time and the items it served: the quick view of the speed."""
         if items > 0:
             self._recent.add(seconds, items)
+            self._measured()
 
 
 class _Average:
