@@ -286,6 +286,10 @@ class Pace:
         self._area = 0.0  # the backlog's integral over the window so far
         self._closed: deque[float] = deque(maxlen=windows + 1)  # the mean of each window closed since
         self._behind = False
+        # The verdict changes only as a window closes or the rate moves: asked by the
+        # door, by admission and before each batch, it is worked out once for both.
+        self._closes = 0
+        self._verdict_for: tuple[int, float] | None = None
 
     def offered(
         self,
@@ -324,6 +328,10 @@ class Pace:
         self._advance(now, seconds_per_item)
         if seconds_per_item is None or len(self._closed) < (self._closed.maxlen or 0):
             return False
+        inputs = (self._closes, seconds_per_item)
+        if inputs == self._verdict_for:
+            return self._behind
+        self._verdict_for = inputs
         means = list(self._closed)
         step = max(1.0, self._tolerance * self._window_s / seconds_per_item)
         if self._behind:
@@ -345,6 +353,7 @@ class Pace:
         # The open window closes at its end; the backlog held since its last event.
         self._area += self._level * (end - self._last)
         self._closed.append(self._area / self._window_s)
+        self._closes += 1
         idle = math.floor((now - end) / self._window_s)
         for _ in range(min(idle, self._closed.maxlen or 0)):
             self._closed.append(self._level)  # windows with no event held the backlog as it is

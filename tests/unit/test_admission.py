@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -395,3 +396,24 @@ def test_the_quick_view_of_the_rate_is_known_after_one_batch_while_the_long_one_
     meter.batch_ran(0.4, items=8)
     assert meter.recent_seconds_per_item == pytest.approx(0.05)
     assert meter.seconds_per_item is None  # too few served to admit on
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_pace_s_verdict_is_the_same_worked_out_once_or_at_every_ask(seed: int) -> None:
+    # Load that rises, holds and falls, asked about as the door, admission and each batch do.
+    rng = random.Random(seed)
+    kept, fresh = Pace(), Pace()
+    now, verdicts = 0.0, []
+    for step in range(4000):
+        now += rng.expovariate(400 if step % 1500 < 900 else 150)
+        spi = 0.004 if step < 2000 else 0.003
+        waited, answered = rng.random() * 0.01, rng.random() < 0.6
+        for pace in (kept, fresh):
+            pace.offered(1, now, waited, spi)
+            if answered:
+                pace.answered(1, now, spi)
+        fresh._verdict_for = None  # as if never asked before
+        verdicts.append((kept.behind(now, spi), fresh.behind(now, spi)))
+        verdicts.append((kept.behind(now, spi), kept.behind(now + 1e-6, spi)))
+    assert all(a == b for a, b in verdicts)
+    assert any(a for a, _ in verdicts)  # it did fall behind
