@@ -74,7 +74,7 @@ from service.batching.observer import BatchObserver, notify
 from service.batching.pending import Part, Pending
 from service.batching.reply import claim, fail
 from service.batching.subbatch import Cost, CostModel, cut
-from service.batching.waiting import end_of_hub_turn, hub_spawn
+from service.batching.waiting import end_of_hub_turn, on_hub_thread, spawn_on_hub
 from service.errors import DeadlineExceeded, ModelError, NotReady, Overloaded, ServeError
 from service.models.base import Outputs
 from service.outputs import check_count, client_error, first_non_finite
@@ -376,16 +376,15 @@ class Batcher:
         thread that calls it, so its calls stay on the batch thread (or the hub's).
         """
         if not (
-            0 < self._model_time_s < self._run_here_below_s
+            self._cheap()
             # No other request in a handler since the last batch began (so none now either),
             # and this one came to a worker quiet for a while: not one of a stream.
             and self._cycle_peak <= 1
             and self._came_after_quiet
             and len(pending.items) <= self._max_batch_size
-            and self._policy.delay_s <= 0
         ):
             return False
-        if not self._run_in_callers and hub_spawn() is None:
+        if not self._run_in_callers and not on_hub_thread():
             return False
         if not self._runner.acquire(False):
             return False
@@ -406,16 +405,17 @@ class Batcher:
         hand-off there costs more than the call: a wake-up of the thread, the
         GIL passed to it and back, the hub woken from another thread.
         """
-        if not (0 < self._model_time_s < self._run_here_below_s and self._policy.delay_s <= 0):
-            return False
-        spawn = hub_spawn()
-        if spawn is None:
+        if not (self._cheap() and on_hub_thread()):
             return False
         self._hub_queue.append(pending)
         if not self._hub_run_due:
             self._hub_run_due = True
-            spawn(self._run_on_hub)
+            spawn_on_hub(self._run_on_hub)
         return True
+
+    def _cheap(self) -> bool:
+        """Whether a call measures cheaper than a hand-off (``run_here_below_s``) and nothing asks to wait."""
+        return 0 < self._model_time_s < self._run_here_below_s and self._policy.delay_s <= 0
 
     def _run_on_hub(self) -> None:
         """Run what was queued for the hub, in batches; if the batch thread holds the runner, hand it over."""

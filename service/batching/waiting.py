@@ -98,7 +98,7 @@ def _take_back(future: Reply) -> None:
 HUB_TURN_WAIT_S = 0.005
 _hub_loop: Any = None  # the gevent hub's loop of this worker, once a greenlet has waited
 _hub_thread: int | None = None  # the OS thread that hub runs on
-_spawn_raw: Any = None  # gevent.spawn_raw, once imported (hub_spawn)
+_spawn_raw: Any = None  # gevent.spawn_raw, once imported (spawn_on_hub)
 
 
 def end_of_hub_turn() -> None:
@@ -124,20 +124,23 @@ def end_of_hub_turn() -> None:
     turned.acquire(timeout=HUB_TURN_WAIT_S)
 
 
-def hub_spawn() -> Callable[[Callable[[], None]], object] | None:
-    """gevent's ``spawn_raw`` on the OS thread of the worker's hub; else None, or before any greenlet waited.
+def on_hub_thread() -> bool:
+    """Whether this is the OS thread of the worker's gevent hub (False before any greenlet waited)."""
+    return _hub_thread is not None and native.get_ident() == _hub_thread
+
+
+def spawn_on_hub(run: Callable[[], None]) -> None:
+    """Run ``run`` in a greenlet of its own; called on the hub's thread (on_hub_thread).
 
     A greenlet spawned so starts in the hub's callbacks, after the I/O of its
     turn: every request the turn parsed has been queued by then.
     """
     global _spawn_raw  # noqa: PLW0603
-    if _hub_thread is None or native.get_ident() != _hub_thread:
-        return None
     if _spawn_raw is None:
         from gevent import spawn_raw
 
         _spawn_raw = spawn_raw
-    return _spawn_raw  # type: ignore[no-any-return]  # gevent ships no type hints
+    _spawn_raw(run)
 
 
 def _greenlet_waiter(future: Reply) -> Callable[[float], bool]:
