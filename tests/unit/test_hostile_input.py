@@ -151,3 +151,34 @@ def test_a_body_the_server_cannot_decode_is_a_400(app_client: FlaskClient, route
     )
     assert response.status_code == 400
     assert response.json == {"error": "the request body could not be read (RuntimeError)"}
+
+
+class ShortBody(io.BytesIO):
+    """A body stream that hands over a few bytes a read, then ends early: a client gone mid-body."""
+
+    def read(self, size: int | None = -1) -> bytes:
+        return super().read(min(3, size if size is not None and size >= 0 else 3))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_declared_length_is_read_in_full_or_refused(app_client: FlaskClient, route: str) -> None:
+    body = b'{"inputs": [[' + b"0.5, " * (hostile.WIDTH - 1) + b"0.5]]}"
+
+    def post(declared: int) -> tuple[int, object]:
+        # The stream hands over 3 bytes a read, so the body comes in many reads.
+        response = app_client.post(
+            route,
+            input_stream=ShortBody(body),
+            content_type="application/json",
+            environ_overrides={"CONTENT_LENGTH": str(declared)},  # not the stream's length
+        )
+        return response.status_code, response.json
+
+    assert post(len(body))[0] == 200  # read to its end, a few bytes at a time
+    status, document = post(len(body) + 10)  # the client is gone before its last 10 bytes
+    assert status == 400 and isinstance(document, dict) and "error" in document
+    status, document = post(SETTINGS.max_body_bytes + 1)  # refused on its declared length, unread
+    assert status == 413
+    assert document == {
+        "error": f"the request body is over {SETTINGS.max_body_bytes} bytes (SERVE_MAX_BODY_BYTES)"
+    }
