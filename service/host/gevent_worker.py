@@ -31,11 +31,13 @@ from gunicorn.workers.ggevent import GeventWorker as _GeventWorker
 
 from service.host.hold import HeldConnections, peek
 from service.host.lifecycle import door_of
+from service.host.one_write import send_all
 from service.host.worker import (
     PEEK_BYTES,
     InTransit,
     StampedApp,
     answer_bytes,
+    arrivals_local,
     check_ahead,
     kernel_arrival,
     room_test,
@@ -68,16 +70,16 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
 
     def load_wsgi(self) -> None:
         super().load_wsgi()
-        self._requests = local()
+        self._requests = arrivals_local(local)
         self._lot = Lot(self)
         self._door: Any = None  # the app's door, once looked up; False: none
         self.wsgi = StampedApp(self.wsgi, self._requests)
 
     def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> None:
         requests = self._requests
-        requests.at, requests.next_at = kernel_arrival(getattr(requests, "next_at", None), sock), None
+        requests.at, requests.next_at = kernel_arrival(requests.next_at, sock), None
         requests.follow_up = getattr(req, "req_number", 1) > 1
-        if getattr(requests, "in_transit", False):
+        if requests.in_transit:
             requests.in_transit = False
             self._lot.in_transit.landed()
         requests.hold_s = 0.0
@@ -102,7 +104,7 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
         """Hold the connection of a refused request (service.host.hold), for the one it reads next."""
         requests = self._requests
         # A client refused again keeps its place: first come, first let in.
-        requests.first_held = getattr(requests, "first_held", None) or time.monotonic()
+        requests.first_held = requests.first_held or time.monotonic()
         arrived, early = self._lot.wait_out(sock, hold_s, requests.first_held)
         if arrived is not None:
             requests.next_at = arrived  # its resend arrived then
@@ -143,7 +145,7 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
             if not chunk:
                 raise ConnectionError("the client closed its connection")  # gunicorn closes it
             taken += len(chunk)
-        sock.sendall(answer_bytes(refusal.status, refusal.headers, refusal.body))
+        send_all(sock, answer_bytes(refusal.status, refusal.headers, refusal.body))
         requests.next_at = requests.returning = requests.held_digest = None
         if requests.in_transit:
             requests.in_transit = False

@@ -18,11 +18,17 @@ Pair = tuple[socket.socket, socket.socket]
 
 
 class Recording:
-    """A socket that keeps each sendall's bytes and passes them on."""
+    """A socket that keeps the bytes of each send and sendall, and passes them on."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, send_at_most: int | None = None) -> None:
         self._sock = sock
         self.sent: list[bytes] = []
+        self._send_at_most = send_at_most  # a send that takes only this much: a full send buffer
+
+    def send(self, data: bytes) -> int:
+        taken = self._sock.send(data[: self._send_at_most])
+        self.sent.append(bytes(data[:taken]))
+        return taken
 
     def sendall(self, data: bytes) -> None:
         self.sent.append(bytes(data))
@@ -41,14 +47,18 @@ def pair() -> Iterator[Pair]:
 
 
 def respond(
-    pair: Pair, request: bytes, headers: list[tuple[str, str]], body: list[bytes]
+    pair: Pair,
+    request: bytes,
+    headers: list[tuple[str, str]],
+    body: list[bytes],
+    send_at_most: int | None = None,
 ) -> tuple[Recording, bytes]:
     """Parse ``request`` as gunicorn does, answer it through a joined Response; what was sent, and read."""
     server, client = pair
     client.sendall(request)
     cfg = Config()
     req = next(iter(RequestParser(cfg, server, ("127.0.0.1", 5000))))
-    sock = Recording(server)
+    sock = Recording(server, send_at_most)
     resp, _ = wsgi.create(req, sock, ("127.0.0.1", 5000), ("127.0.0.1", 8000), cfg)
     one_write(resp.start_response)
     assert type(resp) is OneWriteResponse
@@ -63,7 +73,7 @@ def respond(
     return sock, received
 
 
-def test_headers_and_a_body_go_in_one_sendall(pair: Pair) -> None:
+def test_headers_and_a_body_go_in_one_write(pair: Pair) -> None:
     body = b'{"outputs": [[0.5]]}'
     sock, received = respond(
         pair,
@@ -75,6 +85,21 @@ def test_headers_and_a_body_go_in_one_sendall(pair: Pair) -> None:
     head, _, rest = received.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 OK\r\n")
     assert b"Content-Length: 20" in head
+    assert rest == body
+
+
+def test_a_send_that_takes_part_leaves_the_rest_to_sendall(pair: Pair) -> None:
+    body = b'{"outputs": [[0.5]]}'
+    sock, received = respond(
+        pair,
+        b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n",
+        [("Content-Type", "application/json"), ("Content-Length", str(len(body)))],
+        [body],
+        send_at_most=10,
+    )
+    assert len(sock.sent) == 2 and len(sock.sent[0]) == 10  # the send's part, then the rest
+    head, _, rest = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
     assert rest == body
 
 
