@@ -477,15 +477,14 @@ class AdmissionRule:
                 f"the {cap * 1000:.0f} ms it may wait there; the service is overloaded, retry shortly",
                 1,
             )
-        if not behind:
-            margin, past = (
-                DEADLINE_MARGIN,
-                f"request's {limit * 1000:.0f} ms deadline; the service is overloaded",
-            )
-        else:
-            margin = RETURNING_MARGIN if returning else PREDICTION_MARGIN
-            past = f"{limit * 1000:.0f} ms latency budget; arrivals outrun the answers"
+        margin = DEADLINE_MARGIN if not behind else RETURNING_MARGIN if returning else PREDICTION_MARGIN
         if waited_s + margin * predicted_s > limit:
+            # Worded only for a refusal: every request asks, few are refused.
+            past = (
+                f"{limit * 1000:.0f} ms latency budget; arrivals outrun the answers"
+                if behind
+                else f"request's {limit * 1000:.0f} ms deadline; the service is overloaded"
+            )
             return Refusal(
                 f"the work queued ahead would take about {predicted_s * 1000:.0f} ms, "
                 f"past the {past}, retry shortly",
