@@ -99,6 +99,7 @@ HUB_TURN_WAIT_S = 0.005
 _hub_loop: Any = None  # the gevent hub's loop of this worker, once a greenlet has waited
 _hub_thread: int | None = None  # the OS thread that hub runs on
 _spawn_raw: Any = None  # gevent.spawn_raw, once imported (spawn_on_hub)
+_event: Any = None  # gevent.event.Event, once a greenlet has waited
 
 
 def end_of_hub_turn() -> None:
@@ -148,17 +149,17 @@ def _greenlet_waiter(future: Reply) -> Callable[[float], bool]:
 
     One Event and one done-callback per request, however many times it waits.
     """
-    global _hub_loop, _hub_thread
-    from gevent import get_hub
-    from gevent.event import Event
-
-    hub = get_hub()
-    loop = hub.loop
+    global _hub_loop, _hub_thread, _event
     if _hub_loop is None:
-        # Once: every request greenlet runs on the worker's one hub.
-        _hub_loop, _hub_thread = loop, hub.thread_ident
-    woken = Event()
-    thread = hub.thread_ident
+        # Once: every request greenlet runs on the worker's one hub. Looked up
+        # here, not imported at the top: outside gevent this module must not load it.
+        from gevent import get_hub
+        from gevent.event import Event
+
+        hub = get_hub()
+        _hub_loop, _hub_thread, _event = hub.loop, hub.thread_ident, Event
+    loop, thread = _hub_loop, _hub_thread
+    woken = _event()
 
     def wake(_: Reply) -> None:
         # In the batch thread, through the hub's thread-safe queue; on the hub's
