@@ -16,7 +16,7 @@ from typing import Any
 from flask.testing import FlaskClient
 
 from service.config.settings import Settings
-from service.host.worker import StampedApp, take_refused_digest
+from service.host.worker import StampedApp, arrivals_local, take_refused_digest
 from service.http.arrival import HELD_OUT, HOLD_ENVIRON_KEY, LET_IN, RETURNING_ENVIRON_KEY, ask_to_hold
 from service.http.linger import Linger, discard_body
 from service.http.resend import (
@@ -100,7 +100,7 @@ def test_the_worker_carries_a_refusals_digest_to_the_request_read_after_its_hold
             environ[REFUSED_DIGEST_ENVIRON_KEY] = digest(REFUSED)
         return [b"{}"]
 
-    arrivals = threading.local()
+    arrivals = arrivals_local(threading.local)
     stamped = StampedApp(app, arrivals)
     stamped({"PATH_INFO": "/refuse"}, lambda *args: None)
     # What the worker keeps on the connection once the answer is closed.

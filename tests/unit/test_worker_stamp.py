@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from service.host.worker import StampedApp
+from service.host.worker import StampedApp, arrivals_local
 from service.http.arrival import ARRIVAL_ENVIRON_KEY, WAITING_ENVIRON_KEY
 
 
@@ -20,7 +20,7 @@ class _App:
 
 
 def test_the_stamp_of_the_thread_reaches_the_environ() -> None:
-    app, arrivals = _App(), threading.local()
+    app, arrivals = _App(), arrivals_local(threading.local)
     stamped = StampedApp(app, arrivals)
     arrivals.at = 123.5
     assert stamped({}, lambda *a: None) == [b"ok"]
@@ -31,7 +31,7 @@ def test_the_stamp_of_the_thread_reaches_the_environ() -> None:
 
 
 def test_the_requests_waiting_for_a_thread_reach_the_environ_where_the_worker_counts_them() -> None:
-    app, arrivals = _App(), threading.local()
+    app, arrivals = _App(), arrivals_local(threading.local)
     stamped = StampedApp(app, arrivals)
     stamped({}, lambda *a: None)
     assert WAITING_ENVIRON_KEY not in app.environ  # gevent counts none: the pace uses the wait
@@ -42,7 +42,7 @@ def test_the_requests_waiting_for_a_thread_reach_the_environ_where_the_worker_co
 
 def test_the_hooks_still_find_the_apps_extensions() -> None:
     # service.host.lifecycle reaches the runtime through worker.wsgi.extensions.
-    assert StampedApp(_App(), threading.local()).extensions == {"serve": "the runtime"}
+    assert StampedApp(_App(), arrivals_local(threading.local)).extensions == {"serve": "the runtime"}
 
 
 def test_requests_in_transit_are_those_let_in_and_not_yet_picked_up() -> None:
