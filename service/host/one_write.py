@@ -100,7 +100,7 @@ def send_all(sock: Any, data: bytes) -> None:
 
     gevent's sendall asks the kernel for the socket's send buffer size
     (a getsockopt) and slices the data through a Python loop on every call,
-    before its first send: about 5 us of a small answer's 0.3 ms under gevent
+    before its first send: about 10 us of a small answer's 0.36 ms under gevent
     (docs/bench-request-path.md). A send that took only part leaves the rest to
     sendall, which waits for room as before.
     """
