@@ -31,7 +31,7 @@ from urllib.parse import parse_qs
 import orjson
 from flask import Response, current_app
 from werkzeug.exceptions import ClientDisconnected, HTTPException
-from werkzeug.wsgi import get_input_stream
+from werkzeug.wsgi import get_content_length, get_input_stream
 
 from service.batching.batcher import Batcher
 from service.batching.waiting import wait_result
@@ -113,10 +113,9 @@ def deadline(started: float, limit_ms: int, environ: dict[str, Any]) -> float:
 
 def read_body(environ: dict[str, Any], limit: int) -> bytes:
     """The request body, refused when it is over ``limit`` (SERVE_MAX_BODY_BYTES) or its framing is broken."""
-    length = environ.get("CONTENT_LENGTH")
-    known = int(length) if length and length.isdigit() and length.isascii() else None
+    known = get_content_length(environ)  # None: chunked, or no length given
     if known is not None and known > limit:
-        raise PayloadTooLarge(f"the request body is over {limit} bytes (SERVE_MAX_BODY_BYTES)")
+        raise _over(limit)
     try:
         if known is not None:
             body = _read_length(environ["wsgi.input"], known)
@@ -132,10 +131,14 @@ def read_body(environ: dict[str, Any], limit: int) -> bytes:
     if len(body) > limit:
         # werkzeug refuses a Content-Length, or a chunked body as it streams,
         # past limit + 1 bytes; a body of exactly limit + 1 is refused here.
-        raise PayloadTooLarge(f"the request body is over {limit} bytes (SERVE_MAX_BODY_BYTES)")
+        raise _over(limit)
     # Kept for its digest, should the request be refused and its connection held.
     environ[BODY_ENVIRON_KEY] = body
     return body
+
+
+def _over(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"the request body is over {limit} bytes (SERVE_MAX_BODY_BYTES)")
 
 
 def _read_length(stream: Any, length: int) -> bytes:

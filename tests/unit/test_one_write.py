@@ -73,33 +73,26 @@ def respond(
     return sock, received
 
 
-def test_headers_and_a_body_go_in_one_write(pair: Pair) -> None:
+@pytest.mark.parametrize(
+    ("send_at_most", "writes"), [(None, 1), (10, 2)], ids=["one write", "a send that takes part"]
+)
+def test_headers_and_a_body_go_in_one_write_or_a_send_and_the_rest(
+    pair: Pair, send_at_most: int | None, writes: int
+) -> None:
     body = b'{"outputs": [[0.5]]}'
     sock, received = respond(
         pair,
         b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n",
         [("Content-Type", "application/json"), ("Content-Length", str(len(body)))],
         [body],
+        send_at_most=send_at_most,  # 10: a full send buffer, so sendall sends the rest
     )
-    assert len(sock.sent) == 1
+    assert len(sock.sent) == writes
+    if send_at_most is not None:
+        assert len(sock.sent[0]) == send_at_most  # the send's part, then the rest
     head, _, rest = received.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 OK\r\n")
     assert b"Content-Length: 20" in head
-    assert rest == body
-
-
-def test_a_send_that_takes_part_leaves_the_rest_to_sendall(pair: Pair) -> None:
-    body = b'{"outputs": [[0.5]]}'
-    sock, received = respond(
-        pair,
-        b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n",
-        [("Content-Type", "application/json"), ("Content-Length", str(len(body)))],
-        [body],
-        send_at_most=10,
-    )
-    assert len(sock.sent) == 2 and len(sock.sent[0]) == 10  # the send's part, then the rest
-    head, _, rest = received.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
     assert rest == body
 
 
