@@ -24,6 +24,11 @@
 #   in the socket for a thread, which reads it as it always did. The door's
 #   verdict is made of the same reads a request thread makes, under the same
 #   locks, so the loop and the threads may ask at once.
+# - A new connection's first request, likewise: while the door is refusing, one
+#   whose request is not in yet waits for it in the poller (gthread's pending
+#   connections) rather than in a thread, and is checked when it is. Clients
+#   that open a connection a request, or a pool that closes what it cannot keep,
+#   bring a new connection with a good share of an open loop's requests.
 
 """gunicorn's gthread worker: it stamps each request's arrival, and accepts only its share of connections.
 
@@ -47,7 +52,8 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gunicorn import SERVER
-from gunicorn.workers.gthread import ThreadWorker
+from gunicorn.http2.negotiation import prior_knowledge_allowed
+from gunicorn.workers.gthread import _DEFER, ThreadWorker
 
 from service.batching.admission import predict_wait
 from service.host.balance import Balance
@@ -122,6 +128,8 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         self.wsgi = StampedApp(self.wsgi, self._arrivals)
 
     def enqueue_req(self, conn: Any) -> None:
+        if self._awaits_first_request(conn):
+            return
         # A resend sent during a hold arrived when the worker first saw it, at the latest.
         held_since, conn.serve_held_since = getattr(conn, "serve_held_since", None), None
         conn.serve_arrived = time.monotonic() if held_since is None else held_since
@@ -142,15 +150,20 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         A request read after a hold is checked as the door checks it in a thread:
         as returning (RETURNING_ENVIRON_KEY).
         """
-        door = self._door
-        if door is None:
-            door = self._door = door_of(self) or False
-        if door is False or not door.refusing(time.monotonic()) or not self._plain_keep_alive(conn):
+        if not self._refusing():
+            return False
+        if not (self._plain_keep_alive(conn) if conn.initialized else self._plain_new(conn)):
             return False
         try:
             data = conn.sock.recv(PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except OSError:
             return False
+        if not data:
+            # Its client closed it (a pool that keeps only so many idle): closed
+            # here, as a thread would, without one.
+            self._close_here(conn)
+            return True
+        door = self._door
         stamps = {
             ARRIVAL_ENVIRON_KEY: kernel_arrival(conn.serve_arrived, conn.sock),
             FOLLOW_UP_ENVIRON_KEY: conn.serve_requests > 1,
@@ -163,8 +176,44 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         self._answer_refusal(conn, *refused)
         return True
 
+    def _awaits_first_request(self, conn: Any) -> bool:
+        """Whether a new connection, its request not in yet, was left to the poller to wait for it.
+
+        Only while the door is refusing: its request is then checked in the
+        event loop when it arrives (gthread's "pending" connections), where a
+        refusal costs no thread. Otherwise a thread takes the connection at
+        once and waits for its request, as gthread does.
+        """
+        if conn.initialized or conn.data_ready or not self._refusing() or not self._plain_new(conn):
+            return False
+        try:
+            if conn.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                conn.data_ready = True  # so that gthread's thread does not wait for it again
+                return False
+        except (BlockingIOError, InterruptedError):
+            super().finish_request(conn, AWAITING_DATA)
+            return True
+        except OSError:
+            pass
+        return False  # closed or broken: enqueue_req goes on, and finds out
+
+    def _refusing(self) -> bool:
+        door = self._door
+        if door is None:
+            door = self._door = door_of(self) or False
+        return door is not False and bool(door.refusing(time.monotonic()))
+
+    def _close_here(self, conn: Any) -> None:
+        if getattr(conn, "serve_in_transit", False):
+            conn.serve_in_transit = False
+            self._in_transit.landed()
+        self.nr_conns -= 1
+        conn.close()
+
     def _answer_refusal(self, conn: Any, head: RequestHead, refusal: Refusal) -> None:
         """Take the refused request off the socket, answer it and hold (or keep) its connection."""
+        if not conn.initialized:
+            conn.init()  # a new connection's parser, for the requests after this one
         # Refused again: no thread will take it, so it is no longer in transit or returning.
         conn.serve_returning = None
         if getattr(conn, "serve_in_transit", False):
@@ -191,16 +240,28 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
     def _plain_keep_alive(self, conn: Any) -> bool:
         """Whether ``conn`` is a kept-alive HTTP/1.1 connection whose next request only its socket holds.
 
-        A new connection's request may not be here yet; one whose bytes gunicorn
-        has read ahead into its buffer is not in the socket.
+        One whose bytes gunicorn has read ahead into its buffer is not in the socket.
         """
         if not self.alive or not conn.initialized or conn.parser is None or conn.is_http2 or self.cfg.is_ssl:
             return False
+        return self._may_keep_alive() and not conn.parser.unreader.buf.getvalue()
+
+    def _plain_new(self, conn: Any) -> bool:
+        """Whether ``conn`` is a new connection whose first request, in plain HTTP/1.x, is all in its socket.
+
+        Not over TLS, and not where gunicorn would first read something else
+        from it: an HTTP/2 preface (prior knowledge) or a PROXY protocol header.
+        """
+        if not self.alive or conn.initialized or self.cfg.is_ssl or self.cfg.proxy_protocol != "off":
+            return False
+        return self._may_keep_alive() and not prior_knowledge_allowed(self.cfg, conn.client)
+
+    def _may_keep_alive(self) -> bool:
         # Where gunicorn would answer "Connection: close" (keep-alive off or at its
         # limit, the worker's last request before max_requests), its thread answers.
         if not self.cfg.keepalive or len(self.keepalived_conns) >= self.max_keepalived:
             return False
-        return self.nr + 1 < self.max_requests and not conn.parser.unreader.buf.getvalue()
+        return self.nr + 1 < self.max_requests
 
     def handle(self, conn: Any) -> Any:
         with contextlib.suppress(IndexError):
@@ -335,14 +396,16 @@ def check_ahead(door: Any, data: bytes, stamps: dict[str, Any]) -> tuple[Request
     return None if head is None or refusal is None else (head, refusal)
 
 
-def _kept_alive() -> Future[Any]:
+def _kept_alive(result: Any) -> Future[Any]:
     done: Future[Any] = Future()
-    done.set_result(True)
+    done.set_result(result)
     return done
 
 
 # What finish_request is given for a request answered in the event loop: gthread's "keep alive".
-KEPT_ALIVE = _kept_alive()
+KEPT_ALIVE = _kept_alive(True)
+# For a new connection whose request is not in yet: gthread's "wait for it in the poller".
+AWAITING_DATA = _kept_alive(_DEFER)
 
 
 def answer_bytes(status: str, headers: list[tuple[str, str]], body: bytes) -> bytes:

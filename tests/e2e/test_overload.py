@@ -146,6 +146,17 @@ def test_a_kept_alive_request_refused_while_the_door_refuses_gets_the_doors_answ
         first_head, _ = post(first, b"/predict/batched", BODY, stale)
         assert first_head.startswith(b"HTTP/1.1 503"), first_head
 
+        # A new connection's first request, while the door refuses (gthread's loop
+        # checks it when it arrives, without a thread): the same answer, the
+        # connection held, then serving its client's next request.
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as fresh:
+            fresh_head, _ = post(fresh, b"/predict/batched", BODY, stale)
+            assert fresh_head.startswith(b"HTTP/1.1 503"), fresh_head
+            assert {line.partition(b":")[0] for line in fresh_head.split(b"\r\n")[1:]} == {
+                line.partition(b":")[0] for line in first_head.split(b"\r\n")[1:]
+            }
+            assert post(fresh, b"/predict/batched", BODY)[0].startswith(b"HTTP/1.1 200")
+
         head, body = post(kept, b"/v1/embeddings", openai_body, stale + b"X-Request-ID: e2e-kept-42\r\n")
         assert head.startswith(b"HTTP/1.1 503"), head
         fields = dict(
@@ -175,7 +186,7 @@ def test_a_kept_alive_request_refused_while_the_door_refuses_gets_the_doors_answ
         assert head.startswith(b"HTTP/1.1 200"), head
         assert json.loads(body)["outputs"]
         assert time.monotonic() - refused_at < 2.0
-        assert rejected_over_budget(server) == 3
+        assert rejected_over_budget(server) == 4
 
 
 class Storm(NamedTuple):

@@ -75,13 +75,14 @@ def worker(door: StandInDoor) -> Any:
     made: Any = object.__new__(BalancedThreadWorker)
     made._door = door
     made.alive = True
-    made.cfg = SimpleNamespace(is_ssl=False, keepalive=2)
+    made.cfg = SimpleNamespace(is_ssl=False, keepalive=2, proxy_protocol="off", http2_cleartext="off")
     made.nr, made.max_requests, made.max_keepalived = 0, 1000, 100
     made.poller = selectors.DefaultSelector()
     made.keepalived_conns = deque()
     made._held = HeldConnections()
     made._waiting = deque([None, None, None])  # three requests waiting for a thread
     made.nr_conns = 1
+    made.pending_conns = deque()
     return made
 
 
@@ -107,6 +108,28 @@ def kept_alive(sock: socket.socket) -> Any:
         set_timeout=lambda: None,
         close=sock.close,
     )
+
+
+def new(sock: socket.socket) -> Any:
+    """A connection just accepted, as gthread's TConn is before a thread reads from it."""
+    conn = SimpleNamespace(
+        sock=sock,
+        client=sock.getpeername(),
+        initialized=False,
+        data_ready=False,
+        is_http2=False,
+        parser=None,
+        timeout=None,
+        set_timeout=lambda: None,
+        close=sock.close,
+    )
+
+    def init() -> None:  # as TConn.init makes the parser, for plain HTTP/1.x
+        conn.initialized = True
+        conn.parser = SimpleNamespace(unreader=SimpleNamespace(buf=io.BytesIO()))
+
+    conn.init = init
+    return conn
 
 
 def sent(client: socket.socket, data: bytes) -> None:
@@ -196,7 +219,8 @@ def test_a_request_the_door_would_let_in_stays_in_the_socket_for_its_thread(
         pytest.param(True, REQUEST[:-4], None, id="the body is not all in"),
         pytest.param(True, REQUEST.replace(b"HTTP/1.1", b"HTTP/1.0"), None, id="not plain"),
         pytest.param(True, REQUEST, "read ahead", id="bytes in gunicorn's buffer"),
-        pytest.param(True, REQUEST, "new", id="a new connection"),
+        pytest.param(True, REQUEST, "proxy protocol", id="a new connection behind the PROXY protocol"),
+        pytest.param(True, REQUEST, "h2c", id="a new connection that may speak HTTP/2 first"),
         pytest.param(True, REQUEST, "stopping", id="the worker is stopping"),
         pytest.param(True, REQUEST, "last request", id="the worker's last before max_requests"),
         pytest.param(True, REQUEST, "keep-alive full", id="gunicorn would close the connection"),
@@ -210,8 +234,12 @@ def test_what_the_loop_does_not_check_goes_to_a_thread_untouched(
     loop, conn = worker(door), kept_alive(served)
     if setup == "read ahead":
         conn.parser.unreader.buf.write(b"POST")
-    elif setup == "new":
-        conn.initialized, conn.parser = False, None
+    elif setup == "proxy protocol":
+        conn, loop.cfg.proxy_protocol = new(served), "v1"
+    elif setup == "h2c":
+        conn, loop.cfg.http2_cleartext = new(served), "prior-knowledge"
+        loop.cfg.http_protocols, loop.cfg.protocol = ["h1", "h2"], "http"
+        conn.client = ""  # a Unix socket's peer, which gunicorn trusts to speak it
     elif setup == "stopping":
         loop.alive = False
     elif setup == "last request":
@@ -222,6 +250,68 @@ def test_what_the_loop_does_not_check_goes_to_a_thread_untouched(
     assert loop._refused_here(conn) is False
     assert door.checked == []
     assert served.recv(len(data) + 10, socket.MSG_PEEK) == data
+
+
+def test_a_new_connections_first_request_is_refused_in_the_loop_and_the_connection_held(
+    connected: tuple[socket.socket, socket.socket],
+) -> None:
+    # Clients that open a connection a request, and pools that close what they
+    # cannot keep, bring a good share of an open loop's requests on new connections.
+    client, served = connected
+    door = StandInDoor(refusing=True, refusal=REFUSAL)
+    loop, conn = worker(door), new(served)
+    conn.serve_arrived, conn.serve_requests = time.monotonic(), 1
+    sent(client, REQUEST)
+    assert loop._refused_here(conn) is True
+    [environ] = door.checked
+    assert environ[FOLLOW_UP_ENVIRON_KEY] is False  # a connection's first request
+    assert read_response(client)[0].startswith(b"HTTP/1.1 503")
+    assert conn.initialized  # with gunicorn's parser, for the requests that follow
+    with pytest.raises(BlockingIOError):  # the request was taken from the socket
+        served.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    assert len(loop._held) == 1 and conn.serve_held == "watched"
+    assert len(loop._waiting) == 3 and loop.nr == 1
+
+
+def test_a_new_connection_waits_for_its_request_in_the_poller_while_the_door_refuses(
+    connected: tuple[socket.socket, socket.socket],
+) -> None:
+    client, served = connected
+    loop, conn = worker(StandInDoor(refusing=True, refusal=REFUSAL)), new(served)
+    assert loop._awaits_first_request(conn) is True
+    # gthread's pending connections: no thread, the poller says when its request is in.
+    assert list(loop.pending_conns) == [conn] and loop.poller.get_key(served) is not None
+    assert conn.timeout is not None
+
+    loop.poller.unregister(served)
+    loop.pending_conns.clear()
+    sent(client, REQUEST)
+    assert loop._awaits_first_request(conn) is False  # it is in: checked now
+    assert conn.data_ready is True  # and a thread that takes it does not wait for it again
+
+    # While the door lets requests in, a new connection goes to a thread at once, as in gthread.
+    other = new(served)
+    assert worker(StandInDoor(refusing=False, refusal=None))._awaits_first_request(other) is False
+    assert other.data_ready is False
+
+
+def test_a_connection_its_client_closed_is_closed_in_the_loop_while_the_door_refuses(
+    connected: tuple[socket.socket, socket.socket],
+) -> None:
+    # A pool that keeps only so many idle connections closes the rest: under an
+    # open loop, thousands a second, each of which would take a thread to find out.
+    client, served = connected
+    door = StandInDoor(refusing=True, refusal=REFUSAL)
+    loop, conn = worker(door), kept_alive(served)
+    loop._in_transit = InTransit()
+    loop._in_transit.sent(time.monotonic())
+    conn.serve_in_transit = True
+    client.close()
+    time.sleep(0.05)
+    assert loop._refused_here(conn) is True
+    assert served.fileno() == -1 and loop.nr_conns == 0
+    assert door.checked == [] and len(loop._waiting) == 3
+    assert loop._in_transit.count(time.monotonic()) == 0
 
 
 def test_a_check_that_fails_leaves_the_request_to_a_thread_and_the_loop_running(
