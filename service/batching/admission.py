@@ -452,6 +452,7 @@ class AdmissionRule:
         behind: bool,
         standing: bool = False,
         returning: bool = False,
+        to_wait_s: float = 0.0,
     ) -> Refusal | None:
         """None to admit, else why not.
 
@@ -459,7 +460,9 @@ class AdmissionRule:
         answer; ``deadline_s``: from its arrival to its deadline; ``behind``:
         Pace's verdict; ``standing``: StandingQueue's verdict on the wait
         before the handler; ``returning``: the request was let in from a hold
-        because the batcher had room for it (service.host.hold.let_in).
+        because the batcher had room for it (service.host.hold.let_in);
+        ``to_wait_s``: how much longer it will wait before the handler (for a
+        request thread), where that is foreseen: it is judged as it will be then.
 
         While behind, such a request is admitted while the work ahead fits the
         budget with RETURNING_MARGIN to spare, any other only with
@@ -470,15 +473,17 @@ class AdmissionRule:
         well within the budget.
         """
         limit = self.limit_s(deadline_s, behind)
-        if waited_s >= limit or (behind and standing and waited_s >= self.door_target_s):
-            cap = limit if waited_s >= limit else self.door_target_s
+        before_handler = waited_s + to_wait_s
+        if before_handler >= limit or (behind and standing and before_handler >= self.door_target_s):
+            cap = limit if before_handler >= limit else self.door_target_s
+            more = f" and would wait about {to_wait_s * 1000:.0f} ms more for a thread" if to_wait_s else ""
             return Refusal(
-                f"the request waited {waited_s * 1000:.0f} ms before the service could read it, past "
+                f"the request waited {waited_s * 1000:.0f} ms{more} before the service could read it, past "
                 f"the {cap * 1000:.0f} ms it may wait there; the service is overloaded, retry shortly",
                 1,
             )
         margin = DEADLINE_MARGIN if not behind else RETURNING_MARGIN if returning else PREDICTION_MARGIN
-        if waited_s + margin * predicted_s > limit:
+        if before_handler + margin * predicted_s > limit:
             # Worded only for a refusal: every request asks, few are refused.
             past = (
                 f"{limit * 1000:.0f} ms latency budget; arrivals outrun the answers"

@@ -146,6 +146,19 @@ class Gate:
             behind = self._behind(time.monotonic())
             return self._predict_locked(items), behind
 
+    def thread_wait(self, waiting: int) -> float:
+        """How long a request behind ``waiting`` others waiting for a request thread will wait for one.
+
+        Every request thread holds a request the batcher answers, so threads
+        come free as fast as requests are answered: the recent mean request at
+        the service rate, each. Read without the lock, as too_large is: the
+        rate may be a request old.
+        """
+        seconds_per_item = self._meter.seconds_per_item
+        if waiting <= 0 or seconds_per_item is None:  # None: no trusted rate yet, and no prediction
+            return 0.0
+        return waiting * self._pace.request_items * seconds_per_item
+
     def refused(self, items: int, waited_s: float | None, waiting: int | None = None) -> None:
         """A request of about ``items`` was refused at the door, before submit(): demand unmet.
 

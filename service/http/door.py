@@ -76,6 +76,7 @@ from service.telemetry.model_metrics import NO_MODEL
 
 if TYPE_CHECKING:
     from service.batching.admission import Refusal as AdmissionRefusal
+    from service.batching.batcher import Batcher
     from service.model_set import ModelSet
     from service.runtime import ModelRuntime
     from service.telemetry.metrics import Metrics
@@ -223,10 +224,14 @@ class Door:
             return None
         predicted, behind = batcher.gate.door_outlook(items) if batcher is not None else (0.0, False)
         returning = environ.get(RETURNING_ENVIRON_KEY)
+        # Asked before its wait for a thread, a request is judged on the wait the
+        # door in its thread will see: one that will wait too long is refused
+        # now, where its refusal costs a third of a thread's.
+        to_wait = _thread_wait(environ, batcher) if ahead_of_thread else 0.0
         # A returning request waited out a hold the worker chose, not a queue: it
         # neither shows nor is refused by a standing queue (else a service whose
         # clients had all been refused once would refuse them for good).
-        standing = not returning and self._stands(waited, now, count=not ahead_of_thread)
+        standing = not returning and self._stands(waited + to_wait, now, count=not ahead_of_thread)
         admission = (runtime or self._runtime).admission
         refusal = admission.decide(
             waited,
@@ -235,13 +240,14 @@ class Door:
             behind=behind,
             standing=standing,
             returning=returning == LET_IN,
+            to_wait_s=to_wait,
         )
         if refusal is None:
             return None
         if ahead_of_thread:  # what the door in the thread would have counted
             self._metrics.observe_wait(waited)
             if not returning:
-                self._stands(waited, now, count=True)
+                self._stands(waited + to_wait, now, count=True)
         if batcher is not None:
             # Demand unmet, for the pace (Gate.admit says which counts).
             follow_up = environ.get(FOLLOW_UP_ENVIRON_KEY, True)
@@ -283,6 +289,11 @@ class Door:
         settings = (runtime or self._runtime).settings
         hold_s = hold_seconds(refusal.retry_after_s, admission.budget_s) if settings.hold_refused else 0.0
         return Refusal(f"{status} Service Unavailable", headers, body, hold_s)
+
+
+def _thread_wait(environ: dict[str, Any], batcher: Batcher | None) -> float:
+    """How long a request the gthread worker's event loop checks will wait for a request thread."""
+    return 0.0 if batcher is None else batcher.gate.thread_wait(environ.get(WAITING_ENVIRON_KEY) or 0)
 
 
 def _content_length(environ: dict[str, Any]) -> int | None:

@@ -20,7 +20,7 @@ from service.batching.admission import (
 DEADLINE = 30.0
 
 
-def behind(rule: AdmissionRule, waited: float, predicted: float, **options: bool) -> object:
+def behind(rule: AdmissionRule, waited: float, predicted: float, **options: float) -> object:
     """The rule's verdict on a request while arrivals outrun the answers, with the default deadline."""
     return rule.decide(waited, predicted, deadline_s=DEADLINE, behind=True, **options)
 
@@ -174,6 +174,23 @@ def test_while_the_door_queue_stands_what_waited_past_a_tenth_of_the_budget_is_r
     refusal = behind(rule, 0.3, 0.1, standing=True)
     assert refusal is not None and "past the 200 ms it may wait there" in refusal.message
     assert behind(rule, 0.1, 0.1, standing=True) is None
+
+
+def test_a_request_checked_before_its_wait_for_a_thread_is_judged_on_the_wait_it_will_have() -> None:
+    # The gthread worker's event loop asks before the request waits for a thread:
+    # what the door in that thread would refuse for its wait is refused now.
+    rule = AdmissionRule(budget_s=2.0)
+    assert behind(rule, 0.05, 0.1, standing=True) is None
+    refusal = behind(rule, 0.05, 0.1, standing=True, to_wait_s=0.3)
+    assert refusal is not None
+    assert "waited 50 ms and would wait about 300 ms more for a thread" in refusal.message
+    assert "past the 200 ms it may wait there" in refusal.message
+    # Its work ahead is counted from when it will reach the handler.
+    assert behind(rule, 0.0, 0.5, to_wait_s=0.9) is None
+    late = behind(rule, 0.0, 0.5, to_wait_s=1.5)
+    assert late is not None and "work queued ahead" in late.message
+    # While the service keeps up, a wait for a thread within the deadline is no reason.
+    assert rule.decide(0.0, 0.1, deadline_s=DEADLINE, behind=False, standing=True, to_wait_s=3.0) is None
 
 
 def test_a_queue_is_standing_once_every_wait_for_an_interval_was_over_the_target() -> None:

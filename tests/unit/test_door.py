@@ -16,7 +16,7 @@ from typing import Any
 from flask.testing import FlaskClient
 
 from service.config.settings import Settings
-from service.http.arrival import ARRIVAL_ENVIRON_KEY, HOLD_ENVIRON_KEY
+from service.http.arrival import ARRIVAL_ENVIRON_KEY, HOLD_ENVIRON_KEY, WAITING_ENVIRON_KEY
 from service.http.door import EXTENSION
 from tests.conftest import SMALL_MLP
 from tests.support.metrics import Scrape
@@ -218,6 +218,26 @@ def test_the_event_loops_check_counts_only_what_it_refuses(
     assert metrics.total("serve_rejected_requests_total", reason="over_budget") == 1
     assert metrics.total("serve_http_requests_total", code="503", route="/predict/batched") == 1
     assert metrics.total("serve_http_wait_before_handler_seconds_count") == 1
+
+
+def test_the_event_loop_refuses_what_would_wait_too_long_for_a_thread(
+    make_client: Callable[[Settings], FlaskClient],
+) -> None:
+    # A request the loop lets in waits for a thread behind those waiting already,
+    # as long as the batcher takes to answer that many; the door in its thread
+    # would refuse it for that wait, so the loop refuses it now, where it is cheap.
+    client = make_client(SMALL_MLP.replace(latency_budget_ms=1000, request_timeout_ms=1000))
+    for _ in range(40):  # the service rate is trusted once 32 requests are served
+        assert client.post("/predict/batched", json=BODY).status_code == 200
+    door = client.application.extensions[EXTENSION]
+    fresh = {"REQUEST_METHOD": "POST", "PATH_INFO": "/predict/batched", "CONTENT_LENGTH": "30"}
+    crowd = {WAITING_ENVIRON_KEY: 10**9}  # more than a second's answers ahead of it
+    assert door.check({**fresh, ARRIVAL_ENVIRON_KEY: time.monotonic()}, ahead_of_thread=True) is None
+    refusal = door.check({**fresh, **crowd, ARRIVAL_ENVIRON_KEY: time.monotonic()}, ahead_of_thread=True)
+    assert refusal is not None
+    assert "more for a thread" in json.loads(refusal.body)["error"]
+    # In its thread, its wait is behind it and counted as it was.
+    assert door.check({**fresh, **crowd, ARRIVAL_ENVIRON_KEY: time.monotonic()}) is None
 
 
 def test_a_deadline_header_of_thousands_of_digits_is_the_routes_400_not_an_error(
