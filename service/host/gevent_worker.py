@@ -13,20 +13,22 @@ so a native ``subprocess`` costs the event loop nothing.
 It also holds a refused client's connection for the Retry-After it was told
 before reading its next request (service.host.hold): the connection's greenlet
 waits, which holds no thread. The request that arrives during the hold is
-checked at the door before gunicorn parses it, and a refusal answered there.
+checked at the door before gunicorn parses it, and a refusal answered there;
+so is a new connection's first request, while the door is refusing.
 """
 
 from __future__ import annotations
 
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gevent import monkey
 from gevent.event import Event
 from gevent.local import local
 from gevent.socket import wait_read
 from gunicorn.http.body import LengthReader
+from gunicorn.http2.negotiation import prior_knowledge_allowed
 from gunicorn.workers.ggevent import GeventWorker as _GeventWorker
 
 from service.host.hold import HeldConnections, peek
@@ -50,7 +52,11 @@ from service.http.arrival import (
     LET_IN,
     RETURNING_ENVIRON_KEY,
 )
+from service.http.request_head import RequestHead
 from service.http.resend import digest
+
+if TYPE_CHECKING:
+    from service.http.door import Refusal
 
 
 class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no type hints
@@ -75,10 +81,51 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
         self._door: Any = None  # the app's door, once looked up; False: none
         self.wsgi = StampedApp(self.wsgi, self._requests)
 
+    def handle(self, listener: Any, client: Any, addr: Any) -> None:
+        client.setblocking(1)  # as gunicorn's own handle: gevent's blocking, for the waits below
+        try:
+            if self._refused_first(client, addr):
+                while self._refused_ahead(None, client):
+                    pass  # refused and held again
+        except OSError:
+            client.close()  # its client went away mid-answer, as gunicorn's handle would close it
+            return
+        super().handle(listener, client, addr)
+
+    def _refused_first(self, sock: Any, addr: Any) -> bool:
+        """Answer a new connection's first request here if the door refuses it; whether it was also held.
+
+        As gthread's event loop does (service.host.worker), and as for a request
+        that arrives during a hold: only while the door is refusing, only for a
+        whole plain HTTP/1.x request, and not where gunicorn would first read
+        something else (TLS, an HTTP/2 preface, a PROXY protocol header).
+        Clients that open a connection a request, and pools that close what they
+        cannot keep, bring a good share of an open loop's requests this way.
+        """
+        door = self._door
+        if door is None:
+            door = self._door = door_of(self) or False
+        if door is False or not door.refusing(time.monotonic()) or not self.alive or not self.cfg.keepalive:
+            return False
+        if self.cfg.is_ssl or self.cfg.proxy_protocol != "off" or prior_knowledge_allowed(self.cfg, addr):
+            return False
+        try:
+            # gunicorn's parser would wait for it just so, for as long.
+            wait_read(sock.fileno(), timeout=self.cfg.keepalive)
+            data = sock.recv(PEEK_BYTES, socket.MSG_PEEK)
+        except (TimeoutError, OSError):
+            return False  # gunicorn reads what there is, and closes what it must
+        stamps = {ARRIVAL_ENVIRON_KEY: kernel_arrival(None, sock), FOLLOW_UP_ENVIRON_KEY: False}
+        refused = check_ahead(door, data, stamps) if data else None
+        if refused is None:
+            return False
+        self._requests.answered_first = True  # what gunicorn reads next is not the connection's first
+        return self._answer_ahead(sock, *refused)
+
     def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> None:
         requests = self._requests
         requests.at, requests.next_at = kernel_arrival(requests.next_at, sock), None
-        requests.follow_up = getattr(req, "req_number", 1) > 1
+        requests.follow_up = getattr(req, "req_number", 1) > 1 or requests.answered_first
         if requests.in_transit:
             requests.in_transit = False
             self._lot.in_transit.landed()
@@ -127,7 +174,7 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
             door = self._door = door_of(self) or False
         if requests.next_at is None or door is False or not door.refusing(time.monotonic()):
             return False
-        if not self.alive or not _read_to_its_end(req):
+        if not self.alive or (req is not None and not _read_to_its_end(req)):
             return False
         stamps = {
             ARRIVAL_ENVIRON_KEY: kernel_arrival(requests.next_at, sock),
@@ -138,7 +185,11 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
         refused = check_ahead(door, sock.recv(PEEK_BYTES, socket.MSG_PEEK), stamps)
         if refused is None:
             return False
-        head, refusal = refused
+        return self._answer_ahead(sock, *refused)
+
+    def _answer_ahead(self, sock: Any, head: RequestHead, refusal: Refusal) -> bool:
+        """Take a refused request off ``sock``, answer it, and hold the connection; whether it was held."""
+        requests = self._requests
         taken = 0
         while taken < head.size:
             chunk = sock.recv(head.size - taken)

@@ -500,6 +500,7 @@ ARRIVAL_DEFAULTS: dict[str, Any] = {
     "waiting": None,  # connections waiting for a thread when it was taken (gthread)
     "in_transit": False,  # counted as let in from a hold and not yet landed (gevent)
     "first_held": None,  # when the connection was first held, of holds in a row (gevent)
+    "answered_first": False,  # its connection's first request was refused before gunicorn read it (gevent)
     "hold_s": 0.0,  # the hold its answer asked for
     "environ": None,  # its environ, until its answer is closed
 }

@@ -12,6 +12,7 @@ import dataclasses
 import io
 import selectors
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -392,3 +393,38 @@ def test_gevent_checks_what_follows_a_request_only_once_its_body_was_all_read() 
     assert not _read_to_its_end(request(Body(LengthReader(unreader, 12))))  # 12 bytes of it unread
     assert not _read_to_its_end(request(Body(LengthReader(unreader, 0)), buffered=b"POST"))
     assert not _read_to_its_end(request(Body(ChunkedReader(SimpleNamespace(), unreader))))
+
+
+@pytest.mark.parametrize(
+    ("refusing", "data", "refused"),
+    [
+        pytest.param(True, REQUEST, True, id="refused"),
+        pytest.param(False, REQUEST, False, id="the door is not refusing"),
+        pytest.param(True, REQUEST[:-4], False, id="the body is not all in"),
+    ],
+)
+def test_gevent_answers_a_new_connections_first_request_the_door_refuses_before_gunicorn_reads_it(
+    connected: tuple[socket.socket, socket.socket], refusing: bool, data: bytes, refused: bool
+) -> None:
+    from service.host.gevent_worker import GeventWorker
+    from service.host.worker import arrivals_local
+
+    client, served = connected
+    served.setblocking(True)  # as gunicorn's handle leaves it
+    door = StandInDoor(refusing=refusing, refusal=dataclasses.replace(REFUSAL, hold_s=0.0))
+    made: Any = object.__new__(GeventWorker)
+    made._door, made.alive = door, True
+    made.cfg = SimpleNamespace(is_ssl=False, keepalive=2, proxy_protocol="off", http2_cleartext="off")
+    made._requests = arrivals_local(threading.local)
+    sent(client, data)
+    assert made._refused_first(served, served.getpeername()) is False  # not held: its hold is 0
+    if not refused:
+        assert served.recv(len(data) + 10, socket.MSG_PEEK) == data  # left for gunicorn
+        assert made._requests.answered_first is False
+        return
+    assert door.checked[0][FOLLOW_UP_ENVIRON_KEY] is False
+    assert read_response(client)[0].startswith(b"HTTP/1.1 503")
+    with pytest.raises(BlockingIOError):  # taken from the socket
+        served.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    # What gunicorn reads next on the connection is not its first request.
+    assert made._requests.answered_first is True
