@@ -140,7 +140,7 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         super().enqueue_req(conn)
 
     def _refused_here(self, conn: Any) -> bool:
-        """Check a kept-alive connection's request at the door in the event loop; whether it was refused here.
+        """Check a connection's request at the door in the event loop; whether it was refused or closed here.
 
         Only while the door is refusing (it refused within the last second), and
         only for a request whose bytes are all in and plain (service.http.request_head):
@@ -148,7 +148,8 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         connection held (or put back in the poller) without a thread; a request
         the door would let in goes to a thread untouched, to be checked there.
         A request read after a hold is checked as the door checks it in a thread:
-        as returning (RETURNING_ENVIRON_KEY).
+        as returning (RETURNING_ENVIRON_KEY). A kept-alive connection's or a new
+        one's; one its client closed is closed here.
         """
         if not self._refusing():
             return False
@@ -247,7 +248,7 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         return self._may_keep_alive() and not conn.parser.unreader.buf.getvalue()
 
     def _plain_new(self, conn: Any) -> bool:
-        """Whether ``conn`` is a new connection whose first request, in plain HTTP/1.x, is all in its socket.
+        """Whether ``conn`` is a new connection whose first request the loop may check, as a kept-alive one's.
 
         Not over TLS, and not where gunicorn would first read something else
         from it: an HTTP/2 preface (prior knowledge) or a PROXY protocol header.
