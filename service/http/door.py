@@ -224,10 +224,14 @@ class Door:
             return None
         predicted, behind = batcher.gate.door_outlook(items) if batcher is not None else (0.0, False)
         returning = environ.get(RETURNING_ENVIRON_KEY)
-        # Asked before its wait for a thread, a request is judged on the wait the
-        # door in its thread will see: one that will wait too long is refused
-        # now, where its refusal costs a third of a thread's.
-        to_wait = _thread_wait(environ, batcher) if ahead_of_thread else 0.0
+        # Asked before its wait for a thread while arrivals outrun the answers, a
+        # request is judged on the wait the door in its thread will see: one that
+        # will wait past the standing queue's target is refused now, where its
+        # refusal costs a third of a thread's. While the service keeps up, a queue
+        # for threads is a closed loop's, answered by its deadline: the estimate
+        # (each request ahead holds a thread for a whole service time) would refuse
+        # clients the threads' door lets in once those ahead of them are refused.
+        to_wait = _thread_wait(environ, batcher) if ahead_of_thread and behind else 0.0
         # A returning request waited out a hold the worker chose, not a queue: it
         # neither shows nor is refused by a standing queue (else a service whose
         # clients had all been refused once would refuse them for good).
