@@ -204,10 +204,14 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
             door = self._door = door_of(self) or False
         return door is not False and bool(door.refusing(time.monotonic()))
 
-    def _close_here(self, conn: Any) -> None:
+    def _landed(self, conn: Any) -> None:
+        """A connection let in from a hold has reached its check: it no longer counts as in transit."""
         if getattr(conn, "serve_in_transit", False):
             conn.serve_in_transit = False
             self._in_transit.landed()
+
+    def _close_here(self, conn: Any) -> None:
+        self._landed(conn)
         self.nr_conns -= 1
         conn.close()
 
@@ -217,9 +221,7 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
             conn.init()  # a new connection's parser, for the requests after this one
         # Refused again: no thread will take it, so it is no longer in transit or returning.
         conn.serve_returning = None
-        if getattr(conn, "serve_in_transit", False):
-            conn.serve_in_transit = False
-            self._in_transit.landed()
+        self._landed(conn)
         try:
             taken = conn.sock.recv(head.size, socket.MSG_DONTWAIT)
             if len(taken) != head.size:
@@ -268,9 +270,7 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         with contextlib.suppress(IndexError):
             self._waiting.pop()
         self._arrivals.waiting = len(self._waiting)
-        if getattr(conn, "serve_in_transit", False):
-            conn.serve_in_transit = False
-            self._in_transit.landed()
+        self._landed(conn)
         self._arrivals.at = kernel_arrival(getattr(conn, "serve_arrived", None), conn.sock)
         self._arrivals.follow_up = getattr(conn, "serve_requests", 1) > 1
         self._arrivals.returning, conn.serve_returning = getattr(conn, "serve_returning", None), None

@@ -133,6 +133,12 @@ def new(sock: socket.socket) -> Any:
     return conn
 
 
+def in_transit(loop: Any) -> None:
+    """One request let in from a hold and not yet taken by a thread."""
+    loop._in_transit = InTransit()
+    loop._in_transit.sent(time.monotonic())
+
+
 def sent(client: socket.socket, data: bytes) -> None:
     client.sendall(data)
     time.sleep(0.05)  # on loopback, in the served socket by then
@@ -190,8 +196,7 @@ def test_a_request_read_after_a_hold_is_checked_as_returning_and_refused_again_l
     client, served = connected
     door = StandInDoor(refusing=True, refusal=REFUSAL)
     loop, conn = worker(door), kept_alive(served)
-    loop._in_transit = InTransit()
-    loop._in_transit.sent(time.monotonic())
+    in_transit(loop)
     conn.serve_returning, conn.serve_in_transit = HELD_OUT, True
     sent(client, REQUEST)
     assert loop._refused_here(conn) is True
@@ -304,8 +309,7 @@ def test_a_connection_its_client_closed_is_closed_in_the_loop_while_the_door_ref
     client, served = connected
     door = StandInDoor(refusing=True, refusal=REFUSAL)
     loop, conn = worker(door), kept_alive(served)
-    loop._in_transit = InTransit()
-    loop._in_transit.sent(time.monotonic())
+    in_transit(loop)
     conn.serve_in_transit = True
     client.close()
     time.sleep(0.05)
