@@ -12,7 +12,10 @@ scripts/fixtures/corpus/mixed.txt, and a lone request's latency; then, for each 
 offers that many times the capacity on a Poisson schedule (scripts/load/openloop.py)
 and reports goodput, answers by status, accepted latency from the scheduled
 send, how long the backlog took to drain after the last send, and /readyz and
-a lone request's latency right after. Rows print as a Markdown table.
+a lone request's latency right after. Capacity is measured again after each row, and
+the row's goodput is set against the mean of the readings before and after it: a
+shared machine's speed can drift by a third within minutes, and one reading taken in
+a fast or a slow minute would make the ratio. Rows print as a Markdown table.
 
 ``--texts 1-8``: each request carries 1 to 8 lines instead of one, as clients
 that send a few texts at a time do (capacity is then measured with the same
@@ -106,7 +109,8 @@ def table(
         port = server.port if nginx is None else stack.enter_context(fronting(server.port, nginx))
         url = f"http://127.0.0.1:{port}/predict/batched"
         before = lone_latency_ms(port)
-        capacity = openloop.closed_loop(url, requests, clients=CLIENTS, seconds=min(20.0, seconds))
+        capacity_s = min(20.0, seconds)
+        capacity = openloop.closed_loop(url, requests, clients=CLIENTS, seconds=capacity_s)
         print(f"overload: {worker_class}: capacity {capacity:.0f} req/s", file=sys.stderr)
         for multiple in multiples:
             time.sleep(2)  # let the previous run's connections close
@@ -128,7 +132,19 @@ def table(
                     "lone_ms_after": lone_latency_ms(port),
                 }
             )
+            # This machine's speed drifts within minutes, so each row is judged against the
+            # capacity measured on both sides of it, and the next row starts from the later one.
+            time.sleep(2)
+            after = openloop.closed_loop(url, requests, clients=CLIENTS, seconds=capacity_s)
+            print(f"overload: {worker_class}: {after:.0f} req/s after {multiple:g}x", file=sys.stderr)
+            rows[-1]["capacity_after_rps"] = round(after, 1)
+            capacity, before = after, rows[-1]["lone_ms_after"]
     return rows
+
+
+def bracketed(row: dict[str, Any]) -> float:
+    """The capacity a row's goodput is set against: the mean of the readings before and after it."""
+    return (row["capacity_rps"] + row.get("capacity_after_rps", row["capacity_rps"])) / 2
 
 
 def overload_phase(result: openloop.Result, seconds: float) -> openloop.Result:
@@ -155,7 +171,8 @@ def recovered_rps(result: openloop.Result, seconds: float, recovery_s: float) ->
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| offered | texts a request | capacity | goodput | 200 | 503 | other | accepted p50 | accepted p99 "
+        "| offered | texts a request | capacity before → after | goodput (against their mean) "
+        "| 200 | 503 | other | accepted p50 | accepted p99 "
         f"| drained after | goodput from {RECOVERED_AFTER_S:g} s after | /readyz after "
         "| lone request before → after |",
         "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
@@ -165,13 +182,15 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         ok, refused = status.pop("200", 0), status.pop("503", 0)
         other = ", ".join(f"{k}: {v}" for k, v in status.items()) or "none"
         recovered = r["recovered_rps"]
+        capacity = bracketed(r)
         back = "not run"
         if recovered is not None:
-            back = f"{recovered:.0f} req/s ({recovered / r['capacity_rps']:.2f}x)"
+            back = f"{recovered:.0f} req/s ({recovered / capacity:.2f}x)"
         lines.append(
             f"| {r['multiple']:g}x capacity, {r['worker_class']} ({r['offered_rps']:.0f} req/s) "
-            f"| {r['texts_per_request']} | {r['capacity_rps']:.0f} req/s | {r['goodput_rps']:.0f} req/s "
-            f"({r['goodput_rps'] / r['capacity_rps']:.2f}x) | {ok} | {refused} | {other} "
+            f"| {r['texts_per_request']} | {r['capacity_rps']:.0f} → {r['capacity_after_rps']:.0f} req/s "
+            f"| {r['goodput_rps']:.0f} req/s ({r['goodput_rps'] / capacity:.2f}x) "
+            f"| {ok} | {refused} | {other} "
             f"| {r['accepted_ms']['p50'] / 1000:.2f} s | {r['accepted_ms']['p99'] / 1000:.2f} s "
             f"| {r['drain_s']:.2f} s | {back} | {r['readyz_after']} "
             f"| {r['lone_ms_before']:.0f} → {r['lone_ms_after']:.0f} ms |"

@@ -63,3 +63,25 @@ def test_recovered_goodput_counts_the_200s_answered_from_5_s_after_the_overload(
     )
     assert overload.recovered_rps(result, seconds=10, recovery_s=15) == pytest.approx(2 / 10)
     assert overload.recovered_rps(result, seconds=10, recovery_s=0) is None
+
+
+def test_a_row_is_judged_against_the_capacity_measured_on_both_sides_of_it() -> None:
+    # 2,400 answered by 10 s in: 240 req/s.
+    served = [outcome(9.8, 0.2)] * 2400 + [outcome(0.5, 0.001, "503")] * 7600
+    summary = Result(rate=1000, seconds=10, outcomes=served, last_answer_s=10.0)
+    row = {
+        "worker_class": "gthread",
+        "capacity_rps": 300.0,
+        "capacity_after_rps": 200.0,
+        "texts_per_request": "1",
+        "multiple": 5.0,
+        **summary.summary(),
+        "recovered_rps": None,
+        "readyz_after": 200,
+        "lone_ms_before": 9.0,
+        "lone_ms_after": 10.0,
+    }
+    assert overload.bracketed(row) == 250.0
+    line = overload.markdown([row]).splitlines()[-1]
+    # 0.96x of the mean, where the first reading alone would say 0.80x.
+    assert "| 300 → 200 req/s | 240 req/s (0.96x) | 2400 | 7600 |" in line
