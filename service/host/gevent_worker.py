@@ -42,6 +42,7 @@ from service.host.worker import (
     arrivals_local,
     check_ahead,
     kernel_arrival,
+    plain_listeners,
     room_test,
     take_refused_digest,
 )
@@ -79,6 +80,7 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
         self._requests = arrivals_local(local)
         self._lot = Lot(self)
         self._door: Any = None  # the app's door, once looked up; False: none
+        self._plain_listeners = plain_listeners(self.cfg)  # read once, as gthread's worker does
         self.wsgi = StampedApp(self.wsgi, self._requests)
 
     def handle(self, listener: Any, client: Any, addr: Any) -> None:
@@ -107,7 +109,7 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
             door = self._door = door_of(self) or False
         if door is False or not door.refusing(time.monotonic()) or not self.alive or not self.cfg.keepalive:
             return False
-        if self.cfg.is_ssl or self.cfg.proxy_protocol != "off" or prior_knowledge_allowed(self.cfg, addr):
+        if not self._plain_listeners or prior_knowledge_allowed(self.cfg, addr):
             return False
         try:
             # gunicorn's parser would wait for it just so, for as long.

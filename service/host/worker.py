@@ -57,7 +57,7 @@ from gunicorn.workers.gthread import _DEFER, ThreadWorker
 
 from service.batching.admission import predict_wait
 from service.host.balance import Balance
-from service.host.hold import HeldConnections, peek
+from service.host.hold import PEEK_NOW, HeldConnections, peek
 from service.host.lifecycle import door_of, runtime_of
 from service.host.one_write import http_date, one_write
 from service.host.tcp_info import since_last_data
@@ -118,6 +118,9 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
 
     def load_wsgi(self) -> None:
         super().load_wsgi()
+        # Read once: the settings are a worker's for its life (a reload starts new
+        # workers), and each read goes through gunicorn's settings lookup.
+        self._plain_listeners = plain_listeners(self.cfg)
         self._arrivals = arrivals_local(threading.local)
         self._held = HeldConnections()
         self._in_transit = InTransit()
@@ -156,7 +159,7 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         if not (self._plain_keep_alive(conn) if conn.initialized else self._plain_new(conn)):
             return False
         try:
-            data = conn.sock.recv(PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            data = conn.sock.recv(PEEK_BYTES, PEEK_NOW)
         except OSError:
             return False
         if not data:
@@ -188,7 +191,7 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         if conn.initialized or conn.data_ready or not self._refusing() or not self._plain_new(conn):
             return False
         try:
-            if conn.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+            if conn.sock.recv(1, PEEK_NOW):
                 conn.data_ready = True  # so that gthread's thread does not wait for it again
                 return False
         except (BlockingIOError, InterruptedError):
@@ -245,7 +248,13 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
 
         One whose bytes gunicorn has read ahead into its buffer is not in the socket.
         """
-        if not self.alive or not conn.initialized or conn.parser is None or conn.is_http2 or self.cfg.is_ssl:
+        if (
+            not self.alive
+            or not conn.initialized
+            or conn.parser is None
+            or conn.is_http2
+            or not self._plain_listeners
+        ):
             return False
         return self._may_keep_alive() and not conn.parser.unreader.buf.getvalue()
 
@@ -255,7 +264,7 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
         Not over TLS, and not where gunicorn would first read something else
         from it: an HTTP/2 preface (prior knowledge) or a PROXY protocol header.
         """
-        if not self.alive or conn.initialized or self.cfg.is_ssl or self.cfg.proxy_protocol != "off":
+        if not self.alive or conn.initialized or not self._plain_listeners:
             return False
         return self._may_keep_alive() and not prior_knowledge_allowed(self.cfg, conn.client)
 
@@ -377,6 +386,11 @@ class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ship
     def _woken(self, _fd: Any) -> None:
         if self.balance is not None:  # registered only with one
             self.balance.woken()
+
+
+def plain_listeners(cfg: Any) -> bool:
+    """Whether requests reach the worker as their clients sent them: not over TLS, no PROXY header first."""
+    return not cfg.is_ssl and cfg.proxy_protocol == "off"
 
 
 def check_ahead(door: Any, data: bytes, stamps: dict[str, Any]) -> tuple[RequestHead, Refusal] | None:

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from service.host.hold import HeldConnections
-from service.host.worker import KEPT_ALIVE, BalancedThreadWorker, InTransit
+from service.host.worker import KEPT_ALIVE, BalancedThreadWorker, InTransit, plain_listeners
 from service.http.arrival import (
     ARRIVAL_ENVIRON_KEY,
     FOLLOW_UP_ENVIRON_KEY,
@@ -84,6 +84,7 @@ def worker(door: StandInDoor) -> Any:
     made._waiting = deque([None, None, None])  # three requests waiting for a thread
     made.nr_conns = 1
     made.pending_conns = deque()
+    made._plain_listeners = plain_listeners(made.cfg)
     return made
 
 
@@ -242,6 +243,7 @@ def test_what_the_loop_does_not_check_goes_to_a_thread_untouched(
         conn.parser.unreader.buf.write(b"POST")
     elif setup == "proxy protocol":
         conn, loop.cfg.proxy_protocol = new(served), "v1"
+        loop._plain_listeners = plain_listeners(loop.cfg)  # as the worker reads it when it starts
     elif setup == "h2c":
         conn, loop.cfg.http2_cleartext = new(served), "prior-knowledge"
         loop.cfg.http_protocols, loop.cfg.protocol = ["h1", "h2"], "http"
@@ -419,6 +421,7 @@ def test_gevent_answers_a_new_connections_first_request_the_door_refuses_before_
     made: Any = object.__new__(GeventWorker)
     made._door, made.alive = door, True
     made.cfg = SimpleNamespace(is_ssl=False, keepalive=2, proxy_protocol="off", http2_cleartext="off")
+    made._plain_listeners = plain_listeners(made.cfg)
     made._requests = arrivals_local(threading.local)
     sent(client, data)
     assert made._refused_first(served, served.getpeername()) is False  # not held: its hold is 0
@@ -432,3 +435,13 @@ def test_gevent_answers_a_new_connections_first_request_the_door_refuses_before_
         served.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
     # What gunicorn reads next on the connection is not its first request.
     assert made._requests.answered_first is True
+
+
+@pytest.mark.parametrize(
+    ("is_ssl", "proxy_protocol", "plain"),
+    [(False, "off", True), (True, "off", False), (False, "v1", False), (False, "auto", False)],
+)
+def test_only_plain_listeners_let_the_loop_read_a_request_as_sent(
+    is_ssl: bool, proxy_protocol: str, plain: bool
+) -> None:
+    assert plain_listeners(SimpleNamespace(is_ssl=is_ssl, proxy_protocol=proxy_protocol)) is plain
