@@ -47,7 +47,11 @@ class Cost:
     shape: Shape | None = None
 
     def of(self, rows: int, longest: int) -> float:
-        return self.overhead_s + self.per_token_s * min(self.tokens(rows, longest), self.largest)
+        return self.of_tokens(self.tokens(rows, longest))
+
+    def of_tokens(self, padded_tokens: int) -> float:
+        """The cost of a call of ``padded_tokens`` (as ``tokens`` counts them)."""
+        return self.overhead_s + self.per_token_s * min(padded_tokens, self.largest)
 
     def tokens(self, rows: int, longest: int) -> int:
         """The padded tokens a call of ``rows`` items, the longest ``longest``, runs."""
@@ -165,13 +169,17 @@ def cut(sizes: Sequence[int], cost: Cost, *, max_tokens: int, max_rows: int) -> 
     limit = min(max_rows, MAX_ROWS_CONSIDERED)
     best = [0.0] + [float("inf")] * n
     start_of = [0] * (n + 1)
+    # This runs in the batch thread before every batch, holding the GIL: a full
+    # batch of 64 weighs about two thousand ranges, so each weighs one call.
+    tokens, of_tokens = cost.tokens, cost.of_tokens
     for end in range(1, n + 1):
         longest = sizes[end - 1]
         for start in range(end - 1, max(-1, end - 1 - limit), -1):
             rows = end - start
-            if rows > 1 and cost.tokens(rows, longest) > max_tokens:
+            padded = tokens(rows, longest)
+            if rows > 1 and padded > max_tokens:
                 break  # longer ranges ending here only get bigger
-            total = best[start] + cost.of(rows, longest)
+            total = best[start] + of_tokens(padded)
             if total <= best[end]:
                 best[end], start_of[end] = total, start
     cuts = []

@@ -23,7 +23,9 @@ its cuts fall on the steps rather than one row past them.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
+from functools import lru_cache
 
 # AMX multiplies tiles of 16 rows; a length a multiple of it wastes none of a tile.
 LENGTH_MULTIPLE = 16
@@ -33,6 +35,8 @@ LENGTH_MULTIPLE = 16
 FINE_LENGTHS = 64
 
 
+# Asked for every range the batcher weighs before a batch (service.batching.subbatch.cut).
+@lru_cache(maxsize=4096)
 def padded_length(longest: int, multiple: int = LENGTH_MULTIPLE, fine: int = FINE_LENGTHS) -> int:
     """The length a call whose longest input has ``longest`` tokens is padded to (no model limit)."""
     if longest <= fine:
@@ -57,7 +61,8 @@ class ShapeSteps:
 
     def shape(self, rows: int, longest: int) -> tuple[int, int]:
         """The padded ``(rows, length)`` a call of ``rows`` items, the longest ``longest``, runs as."""
-        padded_rows = next((step for step in self.rows if step >= rows), rows)
+        step = bisect_left(self.rows, rows)
+        padded_rows = self.rows[step] if step < len(self.rows) else rows
         length = padded_length(longest, self.multiple, self.fine)
         if self.limit is not None:
             length = min(length, max(longest, self.limit))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 
 from service.batching.subbatch import Cost, CostModel, cut
+from service.models.shapes import steps_for
 
 
 def padded(sizes: list[int], ranges: list[tuple[int, int]]) -> int:
@@ -54,6 +56,35 @@ def test_the_cut_is_no_worse_than_any_fixed_chunk_size() -> None:
         fixed = [(i, min(i + chunk, len(sizes))) for i in range(0, len(sizes), chunk)]
         assert total(best) <= total(fixed) + 1e-12
     assert padded(sizes, best) < padded(sizes, [(0, len(sizes))])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_cut_is_the_cheapest_of_every_split_on_padded_shapes(seed: int) -> None:
+    # Against an exhaustive search: each of the n - 1 gaps between items is a cut or not.
+    rng = random.Random(seed)
+    sizes = sorted(rng.randint(1, 140) for _ in range(rng.randint(1, 11)))
+    steps = steps_for(8, 128)
+    cost = Cost(rng.uniform(0, 0.01), rng.uniform(1e-6, 1e-4), shape=steps.shape)
+    max_tokens, max_rows = rng.choice([(600, 8), (1 << 20, 8), (1 << 20, 3)])
+
+    def allowed(start: int, end: int) -> bool:
+        return end - start <= max_rows and (
+            end - start == 1 or cost.tokens(end - start, sizes[end - 1]) <= max_tokens
+        )
+
+    def total(ranges: list[tuple[int, int]]) -> float:
+        return sum(cost.of(end - start, sizes[end - 1]) for start, end in ranges)
+
+    n = len(sizes)
+    splits = []
+    for gaps in itertools.product((False, True), repeat=n - 1):
+        edges = [0] + [i + 1 for i, gap in enumerate(gaps) if gap] + [n]
+        ranges = list(itertools.pairwise(edges))
+        if all(allowed(*r) for r in ranges):
+            splits.append(ranges)
+    found = cut(sizes, cost, max_tokens=max_tokens, max_rows=max_rows)
+    assert found in splits
+    assert total(found) == pytest.approx(min(total(r) for r in splits), rel=1e-12)
 
 
 def test_unsorted_sizes_are_refused() -> None:
