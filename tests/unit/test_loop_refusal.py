@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -140,9 +140,33 @@ def in_transit(loop: Any) -> None:
     loop._in_transit.sent(time.monotonic())
 
 
-def sent(client: socket.socket, data: bytes) -> None:
+def sent(client: socket.socket, served: socket.socket, data: bytes) -> None:
+    """Send ``data`` and return once all of it waits in ``served``, as the loop's peek will find it."""
+    before = len(_peeked(served) or b"")
     client.sendall(data)
-    time.sleep(0.05)  # on loopback, in the served socket by then
+    _until(lambda: len(_peeked(served) or b"") >= before + len(data))
+
+
+def closed_by_client(client: socket.socket, served: socket.socket) -> None:
+    """Close the client's end and return once ``served`` reads its end."""
+    client.close()
+    _until(lambda: _peeked(served) == b"")
+
+
+def _peeked(sock: socket.socket) -> bytes | None:
+    try:
+        return sock.recv(65536, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return None
+
+
+def _until(arrived: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    # Loopback delivers in the sender's system call on an idle machine, but a busy
+    # one may defer it: wait for the socket rather than for a guessed time.
+    deadline = time.monotonic() + timeout_s
+    while not arrived():
+        assert time.monotonic() < deadline, "the bytes never reached the served socket"
+        time.sleep(0.001)
 
 
 def test_a_refusal_is_answered_and_its_connection_held_without_a_thread(
@@ -151,7 +175,7 @@ def test_a_refusal_is_answered_and_its_connection_held_without_a_thread(
     client, served = connected
     door = StandInDoor(refusing=True, refusal=REFUSAL)
     loop, conn = worker(door), kept_alive(served)
-    sent(client, REQUEST + b"GET /next")  # and the start of the client's next request
+    sent(client, served, REQUEST + b"GET /next")  # and the start of the client's next request
 
     assert loop._refused_here(conn) is True
     [environ] = door.checked
@@ -185,7 +209,7 @@ def test_with_holds_off_a_refused_connection_goes_back_to_the_poller(
         worker(StandInDoor(refusing=True, refusal=dataclasses.replace(REFUSAL, hold_s=0.0))),
         kept_alive(served),
     )
-    sent(client, REQUEST)
+    sent(client, served, REQUEST)
     assert loop._refused_here(conn) is True
     assert read_response(client)[0].startswith(b"HTTP/1.1 503")
     assert len(loop._held) == 0 and list(loop.keepalived_conns) == [conn]
@@ -199,7 +223,7 @@ def test_a_request_read_after_a_hold_is_checked_as_returning_and_refused_again_l
     loop, conn = worker(door), kept_alive(served)
     in_transit(loop)
     conn.serve_returning, conn.serve_in_transit = HELD_OUT, True
-    sent(client, REQUEST)
+    sent(client, served, REQUEST)
     assert loop._refused_here(conn) is True
     assert door.checked[0][RETURNING_ENVIRON_KEY] == HELD_OUT
     assert conn.serve_returning is None and conn.serve_in_transit is False
@@ -213,7 +237,7 @@ def test_a_request_the_door_would_let_in_stays_in_the_socket_for_its_thread(
     client, served = connected
     door = StandInDoor(refusing=True, refusal=None)
     loop, conn = worker(door), kept_alive(served)
-    sent(client, REQUEST)
+    sent(client, served, REQUEST)
     assert loop._refused_here(conn) is False
     assert door.ahead_of_thread == [True]  # counted only by the door in its thread
     assert served.recv(len(REQUEST) + 10, socket.MSG_PEEK) == REQUEST
@@ -254,7 +278,7 @@ def test_what_the_loop_does_not_check_goes_to_a_thread_untouched(
         loop.nr = loop.max_requests - 1
     elif setup == "keep-alive full":
         loop.max_keepalived = 0
-    sent(client, data)
+    sent(client, served, data)
     assert loop._refused_here(conn) is False
     assert door.checked == []
     assert served.recv(len(data) + 10, socket.MSG_PEEK) == data
@@ -269,7 +293,7 @@ def test_a_new_connections_first_request_is_refused_in_the_loop_and_the_connecti
     door = StandInDoor(refusing=True, refusal=REFUSAL)
     loop, conn = worker(door), new(served)
     conn.serve_arrived, conn.serve_requests = time.monotonic(), 1
-    sent(client, REQUEST)
+    sent(client, served, REQUEST)
     assert loop._refused_here(conn) is True
     [environ] = door.checked
     assert environ[FOLLOW_UP_ENVIRON_KEY] is False  # a connection's first request
@@ -293,7 +317,7 @@ def test_a_new_connection_waits_for_its_request_in_the_poller_while_the_door_ref
 
     loop.poller.unregister(served)
     loop.pending_conns.clear()
-    sent(client, REQUEST)
+    sent(client, served, REQUEST)
     assert loop._awaits_first_request(conn) is False  # it is in: checked now
     assert conn.data_ready is True  # and a thread that takes it does not wait for it again
 
@@ -313,8 +337,7 @@ def test_a_connection_its_client_closed_is_closed_in_the_loop_while_the_door_ref
     loop, conn = worker(door), kept_alive(served)
     in_transit(loop)
     conn.serve_in_transit = True
-    client.close()
-    time.sleep(0.05)
+    closed_by_client(client, served)
     assert loop._refused_here(conn) is True
     assert served.fileno() == -1 and loop.nr_conns == 0
     assert door.checked == [] and len(loop._waiting) == 3
@@ -326,7 +349,7 @@ def test_a_check_that_fails_leaves_the_request_to_a_thread_and_the_loop_running(
 ) -> None:
     client, served = connected
     loop, conn = worker(StandInDoor(refusing=True, refusal=REFUSAL, fails=True)), kept_alive(served)
-    sent(client, REQUEST)
+    sent(client, served, REQUEST)
     assert loop._refused_here(conn) is False  # no exception reaches the event loop
     assert served.recv(len(REQUEST) + 10, socket.MSG_PEEK) == REQUEST
 
@@ -362,7 +385,7 @@ def test_a_client_that_does_not_read_is_closed_not_waited_for(
     full = FullSendBuffer(served)
     conn = kept_alive(served)
     conn.sock, conn.close = full, full.close
-    sent(client, REQUEST)
+    sent(client, served, REQUEST)
     assert loop._refused_here(conn) is True
     assert full.closed and loop.nr_conns == 0
     assert len(loop._held) == 0
@@ -423,7 +446,7 @@ def test_gevent_answers_a_new_connections_first_request_the_door_refuses_before_
     made.cfg = SimpleNamespace(is_ssl=False, keepalive=2, proxy_protocol="off", http2_cleartext="off")
     made._plain_listeners = plain_listeners(made.cfg)
     made._requests = arrivals_local(threading.local)
-    sent(client, data)
+    sent(client, served, data)
     assert made._refused_first(served, served.getpeername()) is False  # not held: its hold is 0
     if not refused:
         assert served.recv(len(data) + 10, socket.MSG_PEEK) == data  # left for gunicorn
