@@ -21,9 +21,8 @@ from service.config.precision_spec import check_device, cpu_flags
 from service.config.settings import Settings, cuda_visible_devices
 from service.errors import SettingsError
 from service.host import allocator, lifecycle, multiproc, open_files, preload
-from service.host.balance import Balance, ConnectionShares
+from service.host.balance import Balance, Balanced, ConnectionShares
 from service.host.slots import SlotTable
-from service.host.worker import BalancedThreadWorker
 from service.telemetry.logs import logging_config
 from service.topology.inventory import first_inventory
 from service.topology.plan import plan as plan_topology
@@ -320,7 +319,7 @@ def _free_slot(server, worker):
 def _join_balance(server, worker):
     if (
         settings.balance_connections
-        and isinstance(worker, BalancedThreadWorker)
+        and isinstance(worker, Balanced)
         and worker.serve_slot < connection_shares.capacity
     ):
         worker.balance = Balance(connection_shares, worker.serve_slot)

@@ -10,8 +10,9 @@
 #   it holds open into memory the gunicorn master shares with its forks
 #   (ConnectionShares, one entry per worker slot), and a worker that holds more
 #   connections than the least-loaded live worker (give or take SLACK) stops
-#   accepting until the others catch up (service.host.worker asks may_accept() on
-#   every turn of its event loop). The kernel then gives the next connection to
+#   accepting until the others catch up (gthread's event loop asks may_accept()
+#   on every turn, service.host.worker; gevent's servers are stopped and started
+#   by service.host.gevent_accept). The kernel then gives the next connection to
 #   a worker that still accepts.
 # - Nobody is starved: the least-loaded worker always accepts. An entry
 #   that has not been refreshed for STALE_S (a dead or wedged worker's) no
@@ -112,6 +113,12 @@ def _close_all(fds: list[int]) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
+
+
+class Balanced:
+    """A worker class that accepts only its share of the connections once handed a Balance (post_fork)."""
+
+    balance: Balance | None = None
 
 
 class Balance:

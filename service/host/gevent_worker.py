@@ -10,6 +10,9 @@ which httpx's transport imports whenever trio is installed, and transformers
 imports httpx. The service never starts a process from a request greenlet,
 so a native ``subprocess`` costs the event loop nothing.
 
+With SERVE_BALANCE_CONNECTIONS on, it accepts only its share of the
+connections, as gthread's worker does (service.host.gevent_accept).
+
 It also holds a refused client's connection for the Retry-After it was told
 before reading its next request (service.host.hold): the connection's greenlet
 waits, which holds no thread. The request that arrives during the hold is
@@ -23,14 +26,18 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
+import gevent
 from gevent import monkey
 from gevent.event import Event
 from gevent.local import local
 from gevent.socket import wait_read
 from gunicorn.http.body import LengthReader
 from gunicorn.http2.negotiation import prior_knowledge_allowed
+from gunicorn.workers import ggevent
 from gunicorn.workers.ggevent import GeventWorker as _GeventWorker
 
+from service.host.balance import Balanced
+from service.host.gevent_accept import SharedAccept
 from service.host.hold import HeldConnections, peek
 from service.host.lifecycle import door_of
 from service.host.one_write import send_all
@@ -60,7 +67,7 @@ if TYPE_CHECKING:
     from service.http.door import Refusal
 
 
-class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no type hints
+class GeventWorker(Balanced, _GeventWorker):  # type: ignore[misc]  # gunicorn ships no type hints
     sockets: list[Any]
     wsgi: Any
     alive: bool
@@ -82,8 +89,34 @@ class GeventWorker(_GeventWorker):  # type: ignore[misc]  # gunicorn ships no ty
         self._door: Any = None  # the app's door, once looked up; False: none
         self._plain_listeners = plain_listeners(self.cfg)  # read once, as gthread's worker does
         self.wsgi = StampedApp(self.wsgi, self._requests)
+        self._accept: SharedAccept | None = None
+
+    def run(self) -> None:
+        if self.balance is not None:
+            self._accept = SharedAccept(self.balance)
+            # gunicorn's run builds each listener's server by this module-level name
+            # and keeps them to itself; built here, they can be told to stop accepting.
+            # Only this worker's process runs gunicorn's gevent worker.
+            ggevent.StreamServer = self._accept.server
+            gevent.spawn(self._accept.watch_wakeups)
+        super().run()
+
+    def notify(self) -> None:
+        super().notify()  # gunicorn's heartbeat, once a second from run's loop
+        if self._accept is not None:
+            self._accept.settle()
 
     def handle(self, listener: Any, client: Any, addr: Any) -> None:
+        accept = self._accept
+        if accept is not None:
+            accept.opened()
+        try:
+            self._handle(listener, client, addr)
+        finally:
+            if accept is not None:
+                accept.closed()
+
+    def _handle(self, listener: Any, client: Any, addr: Any) -> None:
         client.setblocking(1)  # as gunicorn's own handle: gevent's blocking, for the waits below
         try:
             if self._refused_first(client, addr):

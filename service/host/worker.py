@@ -56,7 +56,7 @@ from gunicorn.http2.negotiation import prior_knowledge_allowed
 from gunicorn.workers.gthread import _DEFER, ThreadWorker
 
 from service.batching.admission import predict_wait
-from service.host.balance import Balance
+from service.host.balance import Balanced
 from service.host.hold import PEEK_NOW, HeldConnections, peek
 from service.host.lifecycle import door_of, runtime_of
 from service.host.one_write import http_date, one_write
@@ -88,8 +88,7 @@ PEEK_BYTES = 65536
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
-class BalancedThreadWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn ships no type hints
-    balance: Balance | None = None
+class BalancedThreadWorker(Balanced, ThreadWorker):  # type: ignore[misc]  # gunicorn ships no type hints
     nr_conns: int  # gthread's count of the connections it holds open
     nr: int  # requests answered, toward max_requests
     max_requests: int

@@ -1,4 +1,4 @@
-"""End to end: two gthread workers share the keep-alive connections evenly (service.host.balance)."""
+"""End to end: two workers share the keep-alive connections evenly (service.host.balance), gthread or gevent."""
 
 from __future__ import annotations
 
@@ -54,9 +54,16 @@ def holders(opened: list[Connection]) -> Counter[int]:
     return Counter(connection.pid() for connection in opened)
 
 
-def test_a_burst_of_connections_is_split_evenly_between_the_workers() -> None:
-    with gunicorn(TWO_WORKERS) as server:
-        assert "Using worker: service.host.worker.BalancedThreadWorker" in server.log()
+WORKER_CLASSES = {
+    "gthread": "service.host.worker.BalancedThreadWorker",
+    "gevent": "service.host.gevent_worker.GeventWorker",
+}
+
+
+@pytest.mark.parametrize("worker_class", sorted(WORKER_CLASSES))
+def test_a_burst_of_connections_is_split_evenly_between_the_workers(worker_class: str) -> None:
+    with gunicorn({**TWO_WORKERS, "SERVE_WORKER_CLASS": worker_class}) as server:
+        assert f"Using worker: {WORKER_CLASSES[worker_class]}" in server.log()
         with connections(server, 16) as opened:
             split = holders(opened)
         assert sorted(split) == sorted(server.workers())
@@ -64,8 +71,9 @@ def test_a_burst_of_connections_is_split_evenly_between_the_workers() -> None:
         assert max(split.values()) - min(split.values()) <= 2, split
 
 
-def test_a_frozen_worker_does_not_stop_the_other_from_accepting() -> None:
-    with gunicorn(TWO_WORKERS) as server, connections(server, 8) as first:
+@pytest.mark.parametrize("worker_class", sorted(WORKER_CLASSES))
+def test_a_frozen_worker_does_not_stop_the_other_from_accepting(worker_class: str) -> None:
+    with gunicorn({**TWO_WORKERS, "SERVE_WORKER_CLASS": worker_class}) as server, connections(server, 8) as first:
         split = holders(first)
         assert len(split) == 2, split
         frozen, other = sorted(split)
