@@ -73,7 +73,7 @@ from service.batching.model_time import SHARED_CALL_S, ModelTime
 from service.batching.observer import BatchObserver, notify
 from service.batching.pending import Part, Pending
 from service.batching.reply import claim, fail
-from service.batching.subbatch import Cost, CostModel, cut
+from service.batching.subbatch import Cost, CostModel, cut, oldest_first
 from service.batching.waiting import end_of_hub_turn, on_hub_thread, spawn_on_hub
 from service.errors import DeadlineExceeded, ModelError, NotReady, Overloaded, ServeError
 from service.models.base import Outputs
@@ -709,6 +709,8 @@ class Batcher:
             ranges = cut(
                 sizes, estimate, max_tokens=self._call_tokens(estimate), max_rows=self._max_batch_size
             )
+            # The cheapest cut, run longest-waiting first: the tail of a closed loop (subbatch.oldest_first).
+            ranges = oldest_first(ranges, [live[r].pending.budget_from for _, r, _ in batch.order])
         # Before any sub-batch runs: a request is answered as soon as its last
         # sub-batch does, and its thread reads batch_size for X-Batch-Size then.
         for part in live:

@@ -207,7 +207,10 @@ class FirstCallSlow:
 
 
 def sized_batch(predict: FirstCallSlow, recorder: Recorder) -> tuple[Pending, Pending]:
-    """A short request and a long one that already waited 0.3 s, run as two sub-batches of one batch."""
+    """A short request and a long one that already waited 0.3 s, run as two sub-batches of one batch.
+
+    The short one waited a little longer still, so that its call runs first (subbatch.oldest_first).
+    """
     batcher = sized_batcher(
         predict,
         recorder,
@@ -215,7 +218,7 @@ def sized_batch(predict: FirstCallSlow, recorder: Recorder) -> tuple[Pending, Pe
         admission=AdmissionRule(budget_s=1.0),
         pace=Behind(),
     )
-    short = batcher.submit([2], FAR, arrived=time.monotonic())
+    short = batcher.submit([2], FAR, arrived=time.monotonic() - 0.35)
     long = batcher.submit([3000], FAR, arrived=time.monotonic() - 0.3)
     batcher.start()
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -91,6 +92,23 @@ def test_a_batch_runs_sorted_by_size_and_short_items_leave_the_long_one() -> Non
         for pending, item in zip(pendings, [3, 120, 5, 4, 2], strict=True):
             np.testing.assert_array_equal(wait_result(pending.future, 10), [[item, item * 2]])
             assert pending.batch_size == 5
+    finally:
+        batcher.stop(timeout=10)
+
+
+def test_the_sub_batch_whose_requests_waited_longest_runs_first() -> None:
+    # A client answered early in one batch comes back and waits for it to end: its next
+    # request, long or short, should not wait through a second batch as well.
+    predict, recorder = SizedPredict(), Recorder()
+    batcher = sized_batcher(predict, recorder, max_tokens=1 << 20, cost=cost(0.001, 1e-4))
+    now = time.monotonic()
+    waited = batcher.submit([120], FAR, arrived=now - 0.1)
+    fresh = [batcher.submit([size], FAR, arrived=now) for size in (3, 2, 4)]
+    batcher.start()
+    try:
+        assert recorder.done.wait(10), "the batch never ran"
+        assert predict.calls == [[120], [2, 3, 4]]
+        assert all(wait_result(p.future, 10) is not None for p in [waited, *fresh])
     finally:
         batcher.stop(timeout=10)
 

@@ -1,4 +1,4 @@
-"""End to end: two workers share the keep-alive connections evenly (service.host.balance), gthread or gevent."""
+"""End to end: two workers, gthread or gevent, share the open connections evenly (service.host.balance)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,8 @@ def test_a_burst_of_connections_is_split_evenly_between_the_workers(worker_class
 
 @pytest.mark.parametrize("worker_class", sorted(WORKER_CLASSES))
 def test_a_frozen_worker_does_not_stop_the_other_from_accepting(worker_class: str) -> None:
-    with gunicorn({**TWO_WORKERS, "SERVE_WORKER_CLASS": worker_class}) as server, connections(server, 8) as first:
+    settings = {**TWO_WORKERS, "SERVE_WORKER_CLASS": worker_class}
+    with gunicorn(settings) as server, connections(server, 8) as first:
         split = holders(first)
         assert len(split) == 2, split
         frozen, other = sorted(split)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from service.batching.subbatch import Cost, CostModel, cut
+from service.batching.subbatch import Cost, CostModel, cut, oldest_first
 from service.models.shapes import steps_for
 
 
@@ -168,3 +168,18 @@ def test_the_floor_is_the_estimate_never_drawn_past_the_largest_call_seen() -> N
     large.observe(16, 0.32)
     floor = large.floor()
     assert floor is not None and floor.of(1, 1) == pytest.approx(0.02)
+
+
+def test_sub_batches_that_waited_alike_run_shortest_first() -> None:
+    ranges = [(0, 2), (2, 3), (3, 5)]
+    # Within a few milliseconds of each other: a burst, or one gathering's requests.
+    arrived = [10.003, 10.0, 10.001, 10.004, 10.002]
+    assert oldest_first(ranges, arrived) == ranges
+
+
+def test_the_sub_batch_whose_rows_waited_longest_on_average_runs_first() -> None:
+    ranges = [(0, 2), (2, 3), (3, 5)]
+    # (0, 2) holds the oldest row, but on average (3, 5) waited longest.
+    arrived = [9.90, 10.10, 10.05, 9.95, 9.96]
+    assert oldest_first(ranges, arrived) == [(3, 5), (0, 2), (2, 3)]
+    assert oldest_first([(0, 5)], arrived) == [(0, 5)]
