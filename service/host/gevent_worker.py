@@ -91,9 +91,19 @@ class GeventWorker(Balanced, _GeventWorker):  # type: ignore[misc]  # gunicorn s
         self.wsgi = StampedApp(self.wsgi, self._requests)
         self._accept: SharedAccept | None = None
 
+    def _the_door(self) -> Any:
+        """The app's door (service.http.door), looked up once; False where the app has none."""
+        if self._door is None:
+            self._door = door_of(self) or False
+        return self._door
+
+    def _refusing(self) -> bool:
+        door = self._the_door()
+        return door is not False and door.refusing(time.monotonic())
+
     def run(self) -> None:
         if self.balance is not None:
-            self._accept = SharedAccept(self.balance)
+            self._accept = SharedAccept(self.balance, self._refusing)
             # gunicorn's run builds each listener's server by this module-level name
             # and keeps them to itself; built here, they can be told to stop accepting.
             # Only this worker's process runs gunicorn's gevent worker.
@@ -137,9 +147,7 @@ class GeventWorker(Balanced, _GeventWorker):  # type: ignore[misc]  # gunicorn s
         Clients that open a connection a request, and pools that close what they
         cannot keep, bring a good share of an open loop's requests this way.
         """
-        door = self._door
-        if door is None:
-            door = self._door = door_of(self) or False
+        door = self._the_door()
         if door is False or not door.refusing(time.monotonic()) or not self.alive or not self.cfg.keepalive:
             return False
         if not self._plain_listeners or prior_knowledge_allowed(self.cfg, addr):
@@ -204,9 +212,7 @@ class GeventWorker(Balanced, _GeventWorker):  # type: ignore[misc]  # gunicorn s
         A refusal is held again, as the door's would be.
         """
         requests = self._requests
-        door = self._door
-        if door is None:
-            door = self._door = door_of(self) or False
+        door = self._the_door()
         if requests.next_at is None or door is False or not door.refusing(time.monotonic()):
             return False
         if not self.alive or (req is not None and not _read_to_its_end(req)):
