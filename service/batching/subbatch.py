@@ -204,8 +204,8 @@ def oldest_first(ranges: list[tuple[int, int]], arrived: Sequence[float]) -> lis
     early in one batch comes back and waits for that batch to end, and if its
     next text is long it runs last in the next: close to two batch times, where
     most wait one. Putting the sub-batches that hold the longest-waiting rows
-    first takes that tail down (p99 about 4% lower at 32 clients of mixed-length
-    text, the same p50, in a model of the closed loop) and costs no padding:
+    first takes that tail down (p99 4% lower at 32 clients of mixed-length text,
+    the same p50: scripts/bench/closed_loop_model.py) and costs no padding:
     the cut is the same. Within WAITED_ALIKE_S, shortest first.
     """
     if len(ranges) < 2:
