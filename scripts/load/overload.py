@@ -110,7 +110,8 @@ def table(
         url = f"http://127.0.0.1:{port}/predict/batched"
         before = lone_latency_ms(port)
         capacity_s = min(20.0, seconds)
-        capacity = openloop.closed_loop(url, requests, clients=CLIENTS, seconds=capacity_s)
+        service = server.process.pid
+        capacity, cores = _capacity(url, requests, capacity_s, service)
         print(f"overload: {worker_class}: capacity {capacity:.0f} req/s", file=sys.stderr)
         for multiple in multiples:
             time.sleep(2)  # let the previous run's connections close
@@ -118,7 +119,10 @@ def table(
             times = openloop.schedule(multiple * capacity, seconds, "poisson", rng)
             # Then capacity itself: what the service serves once the overload is over.
             times += [seconds + t for t in openloop.schedule(capacity, recovery_s, "poisson", rng)]
+            cpu, started = _service_cpu_s(service), time.monotonic()
             result = openloop.run(url, requests, multiple * capacity, seconds + recovery_s, times=times)
+            wall = time.monotonic() - started
+            used = _service_cpu_s(service) - cpu
             rows.append(
                 {
                     "worker_class": worker_class + (" behind nginx" if nginx is not None else ""),
@@ -130,16 +134,67 @@ def table(
                     "readyz_after": readyz(port),
                     "lone_ms_before": before,
                     "lone_ms_after": lone_latency_ms(port),
+                    "cores": {
+                        "machine": len(os.sched_getaffinity(0)),
+                        "service_at_capacity": round(cores, 3),
+                        "service": round(used / wall, 3),
+                        "generator": round(result.cpu_s / wall, 3),
+                    },
+                    "refusal_cpu_ms": refusal_cpu_ms(result, used, capacity, cores),
                 }
             )
             # This machine's speed drifts within minutes, so each row is judged against the
             # capacity measured on both sides of it, and the next row starts from the later one.
             time.sleep(2)
-            after = openloop.closed_loop(url, requests, clients=CLIENTS, seconds=capacity_s)
+            after, cores = _capacity(url, requests, capacity_s, service)
             print(f"overload: {worker_class}: {after:.0f} req/s after {multiple:g}x", file=sys.stderr)
             rows[-1]["capacity_after_rps"] = round(after, 1)
             capacity, before = after, rows[-1]["lone_ms_after"]
     return rows
+
+
+def _capacity(
+    url: str, requests: list[openloop.Request], seconds: float, service: int
+) -> tuple[float, float]:
+    """Capacity (req/s) from CLIENTS closed-loop clients, and the cores the service used meanwhile."""
+    cpu, started = _service_cpu_s(service), time.monotonic()
+    rps = openloop.closed_loop(url, requests, clients=CLIENTS, seconds=seconds)
+    return rps, (_service_cpu_s(service) - cpu) / (time.monotonic() - started)
+
+
+def _service_cpu_s(master: int) -> float:
+    """CPU seconds of gunicorn's master and its workers so far (a worker replaced meanwhile is missed)."""
+    total = 0.0
+    for pid in (master, *children(master)):
+        with contextlib.suppress(OSError):  # it exited meanwhile
+            total += _cpu_s(pid)
+    return total
+
+
+def refusal_cpu_ms(
+    result: openloop.Result, service_cpu_s: float, capacity: float, cores: float
+) -> float | None:
+    """The service's CPU per refusal in a run: what it used less its served requests at their capacity cost.
+
+    Rough: a served request costs more under contention than at capacity, and
+    less in the fuller batches an overload makes; either difference lands here.
+    """
+    statuses = result.by_status()
+    refused, served = statuses.get("503", 0), statuses.get("200", 0)
+    if not refused or capacity <= 0:
+        return None
+    return round(1000 * max(0.0, service_cpu_s - served * cores / capacity) / refused, 3)
+
+
+def refusal_free_bound(row: dict[str, Any]) -> float | None:
+    """The goodput a row could reach, against capacity, if refusals cost nothing.
+
+    The cores the generator leaves the service, against those the service used at capacity.
+    """
+    cores = row.get("cores")
+    if not cores or cores["service_at_capacity"] <= 0:
+        return None
+    return (cores["machine"] - cores["generator"]) / cores["service_at_capacity"]
 
 
 def bracketed(row: dict[str, Any]) -> float:
@@ -174,8 +229,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "| offered | texts a request | capacity before → after | goodput (against their mean) "
         "| 200 | 503 | other | accepted p50 | accepted p99 "
         f"| drained after | goodput from {RECOVERED_AFTER_S:g} s after | /readyz after "
-        "| lone request before → after |",
-        "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| lone request before → after | cores: service at capacity / in the row, generator "
+        "| bound | a refusal |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         status = dict(r["by_status"])
@@ -193,7 +249,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"| {ok} | {refused} | {other} "
             f"| {r['accepted_ms']['p50'] / 1000:.2f} s | {r['accepted_ms']['p99'] / 1000:.2f} s "
             f"| {r['drain_s']:.2f} s | {back} | {r['readyz_after']} "
-            f"| {r['lone_ms_before']:.0f} → {r['lone_ms_after']:.0f} ms |"
+            f"| {r['lone_ms_before']:.0f} → {r['lone_ms_after']:.0f} ms "
+            f"| {_cores(r)} | {_ratio(refusal_free_bound(r))} | {_ms(r.get('refusal_cpu_ms'))} |"
         )
     return "\n".join(lines)
 
@@ -231,6 +288,22 @@ def refusal_cost(rate: float, seconds: float) -> dict[str, Any]:
         "served_rps": round(capacity, 1),
         "served_cpu_ms": round(1000 * served_cpu / max(n_served, 1), 2),
     }
+
+
+def _cores(row: dict[str, Any]) -> str:
+    cores = row.get("cores")
+    if not cores:
+        return ""
+    used = f"{cores['service_at_capacity']:.2f} / {cores['service']:.2f}"
+    return f"{used}, {cores['generator']:.2f} of {cores['machine']}"
+
+
+def _ratio(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}x"
+
+
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f} ms"
 
 
 def texts_range(text: str) -> tuple[int, int]:

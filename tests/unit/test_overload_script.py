@@ -85,3 +85,16 @@ def test_a_row_is_judged_against_the_capacity_measured_on_both_sides_of_it() -> 
     line = overload.markdown([row]).splitlines()[-1]
     # 0.96x of the mean, where the first reading alone would say 0.80x.
     assert "| 300 → 200 req/s | 240 req/s (0.96x) | 2400 | 7600 |" in line
+
+
+def test_the_cpu_accounting_gives_a_refusals_cost_and_the_bound_the_generator_leaves() -> None:
+    # 2,000 served and 8,000 refused; at capacity, 400 req/s took 1.9 cores: 4.75 ms each.
+    outcomes = [outcome(1.0, 0.5)] * 2000 + [outcome(1.0, 0.001, "503")] * 8000
+    result = Result(rate=1000, seconds=10, outcomes=outcomes, last_answer_s=10.0)
+    # The service used 11.5 CPU seconds: 9.5 for the served, 2.0 for 8,000 refusals.
+    assert overload.refusal_cpu_ms(result, 11.5, capacity=400.0, cores=1.9) == pytest.approx(0.25)
+    assert overload.refusal_cpu_ms(Result(rate=0, seconds=1), 1.0, capacity=400.0, cores=1.9) is None
+    row = {"cores": {"machine": 2, "service_at_capacity": 1.9, "service": 1.7, "generator": 0.48}}
+    # 1.52 cores left to the service where capacity took 1.9: 0.8x at most, were refusals free.
+    assert overload.refusal_free_bound(row) == pytest.approx(0.8)
+    assert overload.refusal_free_bound({}) is None
