@@ -142,10 +142,19 @@ class Balance:
         """Readable when another worker has accepted a connection since this one refused."""
         return self._shares.wakeup_fds[self._slot]
 
-    def may_accept(self, open_connections: int) -> bool:
+    def may_accept(self, open_connections: int, *, accepted: bool = False) -> bool:
+        """Publish the count, and whether to accept another; ``accepted``: one was just accepted.
+
+        Then refusing workers are woken to look again, as ``accepted()`` does,
+        from the same reading of who is live: gevent's worker asks once per
+        accept for both.
+        """
         now = self._clock()
         self._shares.publish(self._slot, open_connections, now, self._pid)
-        others = [self._shares.count(other) for other in self._shares.live(self._slot, now)]
+        live = self._shares.live(self._slot, now)
+        if accepted:
+            self._shares.wake_refusing(live)
+        others = [self._shares.count(other) for other in live]
         accept = may_accept(open_connections, others, self._slack)
         self._shares.set_refusing(self._slot, not accept)
         return accept

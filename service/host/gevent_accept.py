@@ -43,14 +43,13 @@ class SharedAccept:
 
     def opened(self) -> None:
         self.open += 1
-        self._balance.accepted(self.open)  # published at once, and refusing workers look again
-        self.settle()
+        self.settle(accepted=True)  # published at once, and refusing workers look again
 
     def closed(self) -> None:
         self.open -= 1
         self.settle()
 
-    def settle(self) -> None:
+    def settle(self, *, accepted: bool = False) -> None:
         """Accept, or stop accepting, as the balance says for the connections held now.
 
         Each ask publishes the count, so a worker that opens and closes nothing
@@ -62,7 +61,7 @@ class SharedAccept:
         if not self._servers:
             return  # not serving yet: nothing is published, so the others do not wait for it
         # Asked first whatever the door says: the ask publishes the count.
-        accept = self._balance.may_accept(self.open) or self._refusing()
+        accept = self._balance.may_accept(self.open, accepted=accepted) or self._refusing()
         for server in self._servers:
             if not server.started:
                 continue  # closed: the worker is stopping

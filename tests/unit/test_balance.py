@@ -94,3 +94,18 @@ def test_the_wakeup_fds_close_with_the_table() -> None:
     for fd in fds:
         with pytest.raises(OSError):
             os.fstat(fd)
+
+
+def test_one_ask_after_an_accept_publishes_decides_and_wakes_the_refusing() -> None:
+    # gevent's worker asks once per accept (service.host.gevent_accept): accepted(), then may_accept().
+    clock = [100.0]
+    shares = ConnectionShares(2)
+    ahead, behind = (Balance(shares, slot, clock=lambda: clock[0]) for slot in range(2))
+    assert behind.may_accept(1)
+    assert not ahead.may_accept(3)  # refusing, and marked so
+    assert behind.may_accept(2, accepted=True)
+    assert shares.count(1) == 2  # published
+    assert readable(ahead.wakeup_fd)  # woken to look again
+    ahead.woken()
+    assert behind.may_accept(2)  # without an accept, nobody is woken
+    assert not readable(ahead.wakeup_fd)

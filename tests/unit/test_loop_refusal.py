@@ -468,3 +468,18 @@ def test_only_plain_listeners_let_the_loop_read_a_request_as_sent(
     is_ssl: bool, proxy_protocol: str, plain: bool
 ) -> None:
     assert plain_listeners(SimpleNamespace(is_ssl=is_ssl, proxy_protocol=proxy_protocol)) is plain
+
+
+def test_gevent_peeks_at_a_connection_without_waiting(connected: tuple[socket.socket, socket.socket]) -> None:
+    from service.host.gevent_worker import _peek_now
+
+    client, served = connected
+    served.setblocking(True)  # as gunicorn's handle leaves it
+    assert _peek_now(served) is None  # nothing sent yet: no wait
+    assert served.gettimeout() is None  # blocking again
+    sent(client, served, REQUEST)
+    assert _peek_now(served) == REQUEST
+    assert _peek_now(served) == REQUEST  # peeked, not taken
+    assert served.recv(len(REQUEST)) == REQUEST
+    closed_by_client(client, served)
+    assert _peek_now(served) == b""  # hung up
